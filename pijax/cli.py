@@ -1,0 +1,62 @@
+"""Shared CLI plumbing: absl app with bad input reported as one line and exit status 2."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Callable
+
+from pijax.errors import PijaxError
+
+EXIT_BAD_INPUT = 2
+
+
+def fail(prog: str, message: str) -> None:
+  """Prints `prog: error: message` on stderr and exits with status 2."""
+  sys.stderr.write(f"{prog}: error: {message}\n")
+  sys.stderr.flush()
+  raise SystemExit(EXIT_BAD_INPUT)
+
+
+def config_value(holder):
+  """The value of a config_flags holder; a missing or broken config file -> ConfigError."""
+  from pijax.errors import ConfigError
+  try:
+    value = holder.value
+    if value is not None:
+      value.keys()  # A config that failed to load raises here (ml_collections' _ErrorConfig).
+  except Exception as err:  # ml_collections raises OSError, SyntaxError, AttributeError...
+    cause = err.__cause__ or err
+    raise ConfigError("could not load --config: " + " ".join(str(cause).split())) from None
+  if value is None:
+    raise ConfigError("--config is required, e.g. --config=configs/smollm2_135m.py")
+  return value
+
+
+def run(main: Callable[[list[str]], None], prog: str) -> None:
+  """absl.app.run with flag errors and PijaxError turned into one line + exit 2."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  from absl import app, flags
+
+  def parse_flags(argv: list[str]) -> list[str]:
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as err:
+      fail(prog, f"{err} (see --helpfull)")
+    except (OSError, ValueError, SyntaxError, AttributeError, KeyError) as err:
+      # config_flags raises these for a missing or broken --config file.
+      fail(prog, f"bad --config: {type(err).__name__}: {err}")
+    return []
+
+  def guarded(argv: list[str]) -> None:
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    try:
+      main(argv)
+    except PijaxError as err:
+      fail(prog, str(err))
+    except KeyboardInterrupt:
+      sys.stderr.write(f"\n{prog}: interrupted\n")
+      raise SystemExit(130) from None
+
+  app.run(guarded, flags_parser=parse_flags)

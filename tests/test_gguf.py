@@ -1,0 +1,146 @@
+"""GGUF reading: alignment (case G3), corrupt and truncated files (G4), unsupported kinds."""
+
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+
+from pijax.errors import GGUFError
+from pijax.gguf_io import open_gguf
+from pijax.loader import _dequantize, load_gguf
+
+import tiny_models
+
+
+def _write_plain(path, alignment):
+  rng = np.random.default_rng(alignment or 0)
+  arrays = {"a": rng.normal(size=(3, 5)).astype(np.float32),
+            "b": rng.normal(size=(7,)).astype(np.float32),
+            "c": rng.normal(size=(2, 9)).astype(np.float16)}
+  w = gguf.GGUFWriter(str(path), "llama")
+  if alignment is not None:
+    w.add_custom_alignment(alignment)
+  for name, arr in arrays.items():
+    w.add_tensor(name, arr)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return arrays
+
+
+@pytest.mark.parametrize("alignment", [16, 64, None])
+def test_alignment_reads_back_exactly(tmp_path, alignment):
+  path = tmp_path / f"align_{alignment}.gguf"
+  arrays = _write_plain(path, alignment)
+  reader, metadata = open_gguf(path)
+  assert metadata.get("general.alignment", 32) == (alignment or 32)
+  tensors = {t.name: t for t in reader.tensors}
+  for name, arr in arrays.items():
+    got = _dequantize(tensors[name], str(path))
+    np.testing.assert_array_equal(got, arr.astype(np.float32))
+
+
+def _patch_alignment(path, value):
+  """Overwrites the uint32 value of general.alignment in place."""
+  data = bytearray(path.read_bytes())
+  key = b"general.alignment"
+  at = data.index(key) + len(key)
+  # Then: value type (uint32 enum, 4 bytes), then the uint32 value.
+  data[at + 4:at + 8] = int(value).to_bytes(4, "little")
+  path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("bad", [0, 12])
+def test_bad_alignment_is_refused(tmp_path, bad):
+  path = tmp_path / "bad_align.gguf"
+  _write_plain(path, 16)
+  _patch_alignment(path, bad)
+  with pytest.raises(GGUFError) as err:
+    open_gguf(path)
+  assert str(path) in str(err.value)
+  assert "alignment" in str(err.value) or "corrupt" in str(err.value)
+
+
+def test_missing_file(tmp_path):
+  with pytest.raises(GGUFError, match="no such file"):
+    open_gguf(tmp_path / "nope.gguf")
+
+
+def test_text_file_renamed_gguf(tmp_path):
+  path = tmp_path / "notes.gguf"
+  path.write_text("this is not a model\n")
+  with pytest.raises(GGUFError, match="not a GGUF"):
+    open_gguf(path)
+
+
+def test_truncated_real_model(tmp_path, smollm2_path):
+  """Case G4: the default model cut at 50% of its size."""
+  src = open(smollm2_path, "rb").read()
+  path = tmp_path / "half.gguf"
+  path.write_bytes(src[: len(src) // 2])
+  with pytest.raises(GGUFError, match="truncated") as err:
+    open_gguf(path)
+  assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("cut", [10, 200, 5000])
+def test_truncated_header(tmp_path, smollm2_path, cut):
+  with open(smollm2_path, "rb") as f:
+    head = f.read(cut)
+  path = tmp_path / "head.gguf"
+  path.write_bytes(head)
+  with pytest.raises(GGUFError) as err:
+    open_gguf(path)
+  assert str(path) in str(err.value)
+
+
+def test_unsupported_architecture(tmp_path):
+  path = tmp_path / "gpt.gguf"
+  w = gguf.GGUFWriter(str(path), "gpt2")
+  w.add_tensor("x", np.ones((2, 2), np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(GGUFError, match="architecture 'gpt2' is not supported"):
+    load_gguf(path)
+
+
+def test_f16_tensors_and_directory(tmp_path):
+  hf = tiny_models.make_hf_llama(seed=1)
+  path = tiny_models.write_gguf(hf, tmp_path / "f16.gguf", qtype="F16")
+  cfg, params, _ = load_gguf(path)
+  want = hf.model.embed_tokens.weight.detach().numpy().astype(np.float16).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(params["embed"]["embedding"]), want)
+  with pytest.raises(GGUFError, match="is a directory"):
+    open_gguf(tmp_path)
+
+
+def test_missing_tensor(tmp_path):
+  hf = tiny_models.make_hf_llama(seed=2, layers=1)
+  full = tiny_models.write_gguf(hf, tmp_path / "full.gguf")
+  reader, _ = open_gguf(full)
+  # Rewrite the file without blk.0.ffn_up.weight.
+  path = tmp_path / "missing.gguf"
+  w = gguf.GGUFWriter(str(path), "llama")
+  for key, field in reader.fields.items():
+    if key.startswith("GGUF.") or key == "general.architecture":
+      continue
+    value = field.contents()
+    vtype = field.types[0]
+    if vtype == gguf.GGUFValueType.ARRAY:
+      w.add_key_value(key, value, vtype, sub_type=field.types[-1])
+    else:
+      w.add_key_value(key, value, vtype)
+  for t in reader.tensors:
+    if t.name != "blk.0.ffn_up.weight":
+      w.add_tensor(t.name, np.asarray(t.data).reshape([int(d) for d in reversed(t.shape)]))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  shutil.copy(full, tmp_path / "unused.gguf")
+  with pytest.raises(GGUFError, match="blk.0.ffn_up.weight"):
+    load_gguf(path)
