@@ -19,6 +19,18 @@ def fail(prog: str, message: str) -> None:
   raise SystemExit(EXIT_BAD_INPUT)
 
 
+def parse_ints(text: str, name: str) -> list[int]:
+  """"16,32,64" -> [16, 32, 64]; anything else -> ConfigError naming the flag."""
+  from pijax.errors import ConfigError
+  try:
+    values = [int(v) for v in str(text).split(",") if v.strip()]
+  except ValueError:
+    raise ConfigError(f"--{name}={text!r} must be a comma-separated list of integers.") from None
+  if not values or any(v <= 0 for v in values):
+    raise ConfigError(f"--{name}={text!r} must list positive integers.")
+  return values
+
+
 def config_value(holder):
   """The value of a config_flags holder; a missing or broken config file -> ConfigError."""
   from pijax.errors import ConfigError
@@ -51,6 +63,9 @@ def run(main: Callable[[list[str]], None], prog: str) -> None:
 
   def guarded(argv: list[str]) -> None:
     logging.getLogger("jax").setLevel(logging.WARNING)
+    from absl import logging as absl_logging
+    if not flags.FLAGS["verbosity"].present:  # orbax logs every step at INFO; -v 0 shows it.
+      absl_logging.set_verbosity(absl_logging.WARNING)
     try:
       main(argv)
     except PijaxError as err:

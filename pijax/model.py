@@ -208,6 +208,9 @@ class Block(nn.Module):
     h, cache_k, cache_v = Attention(self.config, self.kv_len, name="attn")(
         RMSNorm(eps, name="attn_norm")(x), cache_k, cache_v, pos, cos, sin)
     x = x + h
+    # The FFN-block input (residual stream before its norm): the predictors' input. Recorded
+    # only when applied with mutable=["intermediates"] (the profiler); free otherwise.
+    self.sow("intermediates", "ffn_input", x)
     x = x + FeedForward(self.config, name="ffn")(RMSNorm(eps, name="ffn_norm")(x))
     return x, cache_k, cache_v
 
@@ -312,6 +315,24 @@ def prefill(params: Any, cache: KVCache, tokens: jax.Array, length: jax.Array, *
   index = None if all_logits else jnp.asarray(length, jnp.int32) - 1
   return forward(params, cache, tokens, jnp.asarray(pos, jnp.int32), config=config,
                  kv_len=kv_len, logits_index=index)
+
+
+def ffn_inputs(params: Any, tokens: jax.Array, *, config: ModelConfig) -> jax.Array:
+  """The residual stream entering every FFN block, for a fresh sequence; usable inside jit.
+
+  Args:
+    tokens: i32[B, T] ids at positions [0, T).
+
+  Returns:
+    f32[L, B, T, D]: layer l's FFN-block input (before ffn_norm).
+  """
+  b, t = tokens.shape
+  cache = init_cache(config, b, t, jnp.float32)
+  _, state = Transformer(config, t).apply(
+      {"params": params}, tokens, jnp.zeros((), jnp.int32), cache,
+      jnp.zeros((), jnp.int32), mutable=["intermediates"])
+  inter = state["intermediates"]
+  return jnp.stack([inter[f"layers_{i}"]["ffn_input"][0] for i in range(config.n_layers)])
 
 
 def decode_step(params: Any, cache: KVCache, tokens: jax.Array, pos: jax.Array, *,

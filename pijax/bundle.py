@@ -1,0 +1,208 @@
+"""Converted bundles: permuted FFN weights, predictors and thresholds in an orbax checkpoint.
+
+A bundle is a folder:
+  manifest.json  what was converted and measured (format, version, model config, source GGUF
+                 path + sha256, calibration text + token count, per-layer threshold, hot count,
+                 predictor rank, recall, precision, predicted and true sparsity, device bytes).
+  checkpoint/    orbax checkpoint of
+                   ffn/layers_i/{gate, up, down}: f32[F, D] rows per neuron, neurons sorted by
+                     descending activation frequency ("row-column bundling": the down projection
+                     is stored transposed so one neuron's weights are three contiguous rows;
+                     LLM in a Flash, arXiv 2312.11514 §3.2),
+                   predictors/layers_i/{fc1: f32[D, r_i], fc2: f32[r_i, F]} (permuted order),
+                   perm: i32[L, F] original index of each stored neuron,
+                   thresholds: f32[L] contribution thresholds t_l, cuts: f32[L] predictor logit
+                   cuts, frequencies: f32[L, F] activation probability per token (permuted).
+Embeddings, attention, norms and the tokenizer come from the source GGUF, whose sha256 must
+match the manifest. Bundles are written to a temporary sibling folder and renamed into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from pijax.errors import BundleError
+
+BUNDLE_FORMAT = "pijax-bundle"
+BUNDLE_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+CHECKPOINT_DIR = "checkpoint"
+
+
+def is_bundle(path: str | os.PathLike[str]) -> bool:
+  return os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST_FILE))
+
+
+def permutation_from_counts(counts: np.ndarray) -> np.ndarray:
+  """i32[L, F]: per layer, neuron indices by descending activation count (stable on ties)."""
+  return np.argsort(-np.asarray(counts), axis=1, kind="stable").astype(np.int32)
+
+
+def permute_ffn(params: Any, n_layers: int, perm: np.ndarray) -> dict[str, Any]:
+  """Neuron-major permuted FFN weights {layers_i: {gate, up, down}: f32[F, D]} from dense params.
+
+  Dense kernels are gate/up [D, F] and down [F, D]; neuron j of the result is neuron perm[l, j].
+  """
+  out = {}
+  for i in range(n_layers):
+    ffn = params[f"layers_{i}"]["ffn"]
+    p = perm[i]
+    out[f"layers_{i}"] = {
+        "gate": np.ascontiguousarray(np.asarray(ffn["gate"]["kernel"]).T[p]),
+        "up": np.ascontiguousarray(np.asarray(ffn["up"]["kernel"]).T[p]),
+        "down": np.ascontiguousarray(np.asarray(ffn["down"]["kernel"])[p]),
+    }
+  return out
+
+
+def with_ffn(params: Any, ffn: dict[str, Any], dtype: Any) -> dict[str, Any]:
+  """Dense params whose FFN kernels are the (permuted, neuron-major) bundle weights."""
+  out = dict(params)
+  for name, rows in ffn.items():
+    layer = dict(out[name])
+    layer["ffn"] = {"gate": {"kernel": jnp.asarray(np.asarray(rows["gate"]).T, dtype)},
+                    "up": {"kernel": jnp.asarray(np.asarray(rows["up"]).T, dtype)},
+                    "down": {"kernel": jnp.asarray(rows["down"], dtype)}}
+    out[name] = layer
+  return out
+
+
+def write_bundle(out_dir: str, tree: dict[str, Any], manifest: dict[str, Any], *,
+                 overwrite: bool = False) -> None:
+  """Writes checkpoint + manifest atomically: a temporary sibling folder renamed to out_dir.
+
+  Raises:
+    BundleError: out_dir exists and overwrite is False.
+  """
+  import orbax.checkpoint as ocp
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(out_dir) and not overwrite:
+    raise BundleError(f"{out_dir} already exists; choose another --out or pass --overwrite.")
+  parent = os.path.dirname(out_dir)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
+  try:
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(tmp, CHECKPOINT_DIR), tree)
+    checkpointer.wait_until_finished()
+    with open(os.path.join(tmp, MANIFEST_FILE), "w") as f:
+      json.dump(manifest, f, indent=1)
+    if os.path.exists(out_dir):
+      old = tmp + ".old"
+      os.replace(out_dir, old)
+      os.replace(tmp, out_dir)
+      shutil.rmtree(old, ignore_errors=True)
+    else:
+      os.replace(tmp, out_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+  """The manifest of a bundle, version-checked. Raises BundleError."""
+  manifest_path = os.path.join(path, MANIFEST_FILE)
+  try:
+    with open(manifest_path) as f:
+      manifest = json.load(f)
+  except (OSError, json.JSONDecodeError) as err:
+    raise BundleError(f"{manifest_path}: unreadable bundle manifest ({err}); re-run "
+                      "pijax.convert.") from None
+  if manifest.get("format") != BUNDLE_FORMAT or manifest.get("version") != BUNDLE_VERSION:
+    raise BundleError(f"{path}: bundle format {manifest.get('format')!r} version "
+                      f"{manifest.get('version')!r}, but this pijax reads {BUNDLE_FORMAT!r} "
+                      f"version {BUNDLE_VERSION}; re-run pijax.convert.")
+  return manifest
+
+
+def read_checkpoint(path: str) -> dict[str, Any]:
+  """The bundle's orbax checkpoint as a tree of numpy arrays. Raises BundleError."""
+  import orbax.checkpoint as ocp
+  ckpt = os.path.join(os.path.abspath(path), CHECKPOINT_DIR)
+  if not os.path.isdir(ckpt):
+    raise BundleError(f"{path}: the bundle has no {CHECKPOINT_DIR}/ folder; re-run "
+                      "pijax.convert.")
+  try:
+    tree = ocp.StandardCheckpointer().restore(ckpt)
+  except Exception as err:
+    raise BundleError(f"{ckpt}: cannot restore the checkpoint ({type(err).__name__}: "
+                      f"{' '.join(str(err).split())[:300]}); re-run pijax.convert.") from None
+  return jax_tree_to_numpy(tree)
+
+
+def jax_tree_to_numpy(tree: Any) -> Any:
+  import jax
+  return jax.tree_util.tree_map(np.asarray, tree)
+
+
+@dataclasses.dataclass
+class SparseBundle:
+  """The sparse side of a loaded bundle (neurons in permuted order, layer l = layers_l).
+
+  Attributes:
+    path: bundle folder.
+    manifest: its manifest.json.
+    ffn: {layers_i: {gate, up, down}: f32[F, D]} neuron-major weights (numpy, host).
+    predictors: {layers_i: {fc1: f32[D, r], fc2: f32[r, F]}}.
+    cuts: f32[L] predictor logit cuts; thresholds: f32[L] contribution thresholds.
+    frequencies: f32[L, F]; perm: i32[L, F]; hot_counts: list of L ints (placement).
+  """
+
+  path: str
+  manifest: dict[str, Any]
+  ffn: dict[str, Any]
+  predictors: dict[str, Any]
+  cuts: np.ndarray
+  thresholds: np.ndarray
+  frequencies: np.ndarray
+  perm: np.ndarray
+  hot_counts: list[int]
+
+
+def load_bundle(path: str, *, dtype: str = "float32", max_seq_len: int | None = 2048,
+                source: str | None = None):
+  """Loads a bundle as an engine Model (dense params use the permuted FFN) with `.sparse` set.
+
+  Args:
+    path: bundle folder (holding manifest.json).
+    source: the source GGUF, if it moved since conversion (default: the manifest's path).
+
+  Raises:
+    BundleError: wrong version, missing source, or a source whose sha256 does not match.
+    GGUFError: the source GGUF cannot be read.
+  """
+  import time
+
+  from pijax import engine
+  from pijax.profile import file_sha256
+  start = time.perf_counter()
+  manifest = read_manifest(path)
+  src = source or manifest["source"]["path"]
+  if not os.path.exists(src):
+    raise BundleError(f"{path}: its source GGUF {src} does not exist; pass the original "
+                      "file with --source (or re-convert).")
+  digest = file_sha256(src)
+  if digest != manifest["source"]["sha256"]:
+    raise BundleError(f"{path}: converted from a GGUF with sha256 "
+                      f"{manifest['source']['sha256'][:16]}..., but {src} has sha256 "
+                      f"{digest[:16]}...; pass the original file with --source or re-convert.")
+  model = engine.load(src, dtype=dtype, max_seq_len=max_seq_len,
+                      ffn_activation=manifest["model"].get("ffn_activation"))
+  tree = read_checkpoint(path)
+  model.params = with_ffn(model.params, tree["ffn"], model.dtype)
+  model.sparse = SparseBundle(
+      path=os.path.abspath(path), manifest=manifest, ffn=tree["ffn"],
+      predictors=tree["predictors"], cuts=tree["cuts"], thresholds=tree["thresholds"],
+      frequencies=tree["frequencies"], perm=tree["perm"],
+      hot_counts=[int(layer["hot_count"]) for layer in manifest["layers"]])
+  model.path = os.path.abspath(path)
+  model.load_s = time.perf_counter() - start
+  return model

@@ -1,0 +1,296 @@
+"""`python -m pijax.convert`: compile a GGUF into a sparse bundle (profile, predictors, place).
+
+  python -m pijax.convert --model=default --out=bundles/smollm2 \
+      --calibration=../shared/data/tinyshakespeare/input.txt --target_sparsity=0.5 \
+      --device_budget_gb=0.5
+  python -m pijax.convert --config=configs/smollm2_135m_convert.py --out=bundles/smollm2
+
+Stages (each also its own CLI): pijax.profile -> pijax.train_predictors -> pijax.place, then
+neurons are permuted by descending activation frequency and the bundle is written atomically
+(see pijax.bundle). The intermediate workdir (FFN inputs on disk) is deleted afterwards
+unless --keep_workdir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from pijax import bundle as bundle_lib
+from pijax import config as config_lib
+from pijax import placement as placement_lib
+from pijax import predictor as predictor_lib
+from pijax.errors import ConfigError
+from pijax.profile import Profile, profile_model
+from pijax.train_predictors import DEFAULT_RANKS, train_predictors
+
+PREDICTOR_BUDGET_FRACTION = 0.05  # Predictor bytes <= 5% of FFN bytes (DESIGN.md §5).
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _versions() -> dict[str, str]:
+  import importlib.metadata as md
+  out = {}
+  for name in ("pijax", "jax", "flax", "orbax-checkpoint", "gguf", "numpy"):
+    try:
+      out[name] = md.version(name)
+    except md.PackageNotFoundError:
+      out[name] = "unknown"
+  return out
+
+
+@dataclasses.dataclass
+class ConvertOptions:
+  """Options of one conversion (units: bytes, tokens)."""
+
+  calibration: str
+  out: str
+  target_sparsity: float = 0.5
+  device_budget_bytes: int | None = None
+  hot_ratio: float | None = None
+  cost_model: str | None = None
+  tile: int = 64
+  max_seq_len: int = 2048
+  device_dtype: str = "float32"
+  max_tokens: int = 65536
+  chunk_len: int = 512
+  ranks: Sequence[int] = DEFAULT_RANKS
+  recall_target: float = 0.95
+  epochs: int = 8
+  workdir: str | None = None
+  keep_workdir: bool = False
+  overwrite: bool = False
+  progress: bool = True
+
+
+def convert(model, opts: ConvertOptions) -> dict[str, Any]:
+  """Profiles, trains predictors, places neurons and writes the bundle; returns the manifest.
+
+  Raises:
+    ConfigError, BudgetError, BundleError: bad options, a budget too small for the dense part,
+      an existing --out without --overwrite.
+  """
+  start = time.perf_counter()
+  cfg = model.config
+  if opts.device_budget_bytes is None and opts.hot_ratio is None:
+    raise ConfigError("pass --device_budget_gb (or --hot_ratio) so neurons can be placed.")
+  if os.path.exists(opts.out) and not opts.overwrite:
+    raise ConfigError(f"{opts.out} already exists; choose another --out or pass --overwrite.")
+  if opts.device_dtype not in _DTYPE_BYTES:
+    raise ConfigError(f"device dtype {opts.device_dtype!r} must be one of "
+                      f"{sorted(_DTYPE_BYTES)}.")
+  layer_weights = (placement_lib.load_cost_model(opts.cost_model, cfg.n_layers)
+                   if opts.cost_model else None)
+  workdir = opts.workdir or tempfile.mkdtemp(
+      prefix="pijax-convert-", dir=os.path.dirname(os.path.abspath(opts.out)) or None)
+  try:
+    t0 = time.perf_counter()
+    prof = profile_model(model, opts.calibration, workdir, target_sparsity=opts.target_sparsity,
+                         max_tokens=opts.max_tokens, chunk_len=opts.chunk_len,
+                         progress=opts.progress)
+    profile_s = time.perf_counter() - t0
+    ffn_layer_bytes = 3 * cfg.hidden_size * cfg.intermediate_size * 4
+    max_rank = None
+    t0 = time.perf_counter()
+    preds = train_predictors(model, prof, ranks=opts.ranks, recall_target=opts.recall_target,
+                             epochs=opts.epochs, max_rank=max_rank, progress=opts.progress)
+    train_s = time.perf_counter() - t0
+    ranks = [p.rank for p in preds]
+    perm = bundle_lib.permutation_from_counts(prof.counts)
+    freqs = np.take_along_axis(prof.frequencies, perm, axis=1)
+    placement = placement_lib.place(
+        cfg, freqs, budget_bytes=opts.device_budget_bytes, max_seq_len=opts.max_seq_len,
+        dtype_bytes=_DTYPE_BYTES[opts.device_dtype], predictor_ranks=ranks, tile=opts.tile,
+        layer_weights=layer_weights, hot_ratio=opts.hot_ratio)
+    manifest = build_manifest(model, opts, prof, preds, placement, ffn_layer_bytes,
+                              {"profile_s": profile_s, "train_predictors_s": train_s})
+    tree = {
+        "ffn": bundle_lib.permute_ffn(model.params, cfg.n_layers, perm),
+        "predictors": {f"layers_{i}": {"fc1": np.asarray(p.params["fc1"], np.float32),
+                                       "fc2": np.asarray(p.params["fc2"], np.float32)[:, perm[i]]}
+                       for i, p in enumerate(preds)},
+        "perm": perm,
+        "thresholds": np.asarray(prof.thresholds, np.float32),
+        "cuts": np.asarray([p.cut for p in preds], np.float32),
+        "frequencies": freqs.astype(np.float32),
+    }
+    manifest["timing"]["total_s"] = time.perf_counter() - start
+    bundle_lib.write_bundle(opts.out, tree, manifest, overwrite=opts.overwrite)
+    return manifest
+  finally:
+    if not opts.keep_workdir and not opts.workdir:
+      shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _finite(x: float) -> float | None:
+  return float(x) if np.isfinite(x) else None
+
+
+def build_manifest(model, opts: ConvertOptions, prof: Profile,
+                   preds: list[predictor_lib.LayerPredictor],
+                   placement: placement_lib.Placement, ffn_layer_bytes: int,
+                   timing: dict[str, float]) -> dict[str, Any]:
+  """manifest.json contents (see pijax.bundle)."""
+  from pijax.profile import file_sha256
+  cfg = model.config
+  family_to_activation = {v: k for k, v in config_lib.ACTIVATION_TO_FAMILY.items()}
+  model_cfg = dataclasses.asdict(cfg)
+  model_cfg["ffn_activation"] = family_to_activation[cfg.ffn_family]
+  predictor_bytes = sum(p.n_bytes() for p in preds)
+  ffn_bytes = ffn_layer_bytes * cfg.n_layers
+  notes = []
+  if predictor_bytes > PREDICTOR_BUDGET_FRACTION * ffn_bytes:
+    notes.append(f"predictor bytes are {predictor_bytes / ffn_bytes:.1%} of the FFN bytes, "
+                 f"over the {PREDICTOR_BUDGET_FRACTION:.0%} budget: the rank ladder kept "
+                 "larger ranks because they raised predicted sparsity at the recall target.")
+  layers = []
+  for i, p in enumerate(preds):
+    layers.append({
+        "layer": i,
+        "threshold": float(prof.thresholds[i]),
+        "hot_count": int(placement.hot_counts[i]),
+        "predictor_rank": int(p.rank),
+        "predictor_bytes": int(p.n_bytes()),
+        "cut": _finite(p.cut),
+        "val_recall": _finite(p.val_recall),
+        "recall": _finite(p.test_recall),
+        "precision": _finite(p.test_precision),
+        "predicted_sparsity": _finite(p.test_predicted_sparsity),
+        "true_sparsity": _finite(p.true_sparsity),
+        "profiled_sparsity": float(prof.sparsity[i]),
+        "ladder": p.ladder,
+    })
+  return {
+      "format": bundle_lib.BUNDLE_FORMAT,
+      "version": bundle_lib.BUNDLE_VERSION,
+      "versions": _versions(),
+      "model": model_cfg,
+      "source": {"path": os.path.abspath(model.path), "sha256": file_sha256(model.path),
+                 "size": os.path.getsize(model.path)},
+      "calibration": prof.calibration | {"chunk_len": prof.chunk_len,
+                                         "split": "train/validation/test by contiguous chunks",
+                                         "n_train": prof.n_train},
+      "target_sparsity": prof.target_sparsity,
+      "recall_target": opts.recall_target,
+      "placement": placement.to_json(),
+      "device": {"dtype": opts.device_dtype, "max_seq_len": opts.max_seq_len,
+                 "device_bytes": int(placement.device_bytes),
+                 "budget_bytes": placement.budget_bytes},
+      "totals": {
+          "predictor_bytes": int(predictor_bytes),
+          "ffn_bytes": int(ffn_bytes),
+          "predictor_fraction_of_ffn": predictor_bytes / ffn_bytes,
+          "mean_recall": float(np.nanmean([p.test_recall for p in preds])),
+          "mean_predicted_sparsity": float(np.nanmean([p.test_predicted_sparsity
+                                                       for p in preds])),
+          "mean_true_sparsity": float(np.nanmean([p.true_sparsity for p in preds])),
+      },
+      "layers": layers,
+      "timing": dict(timing),
+      "notes": notes,
+  }
+
+
+def format_table(manifest: dict[str, Any]) -> str:
+  """The per-layer table of a manifest, in markdown."""
+  rows = ["| layer | threshold | hot | rank | recall | precision | pred. sparsity | "
+          "true sparsity | predictor KB |", "|---|---|---|---|---|---|---|---|---|"]
+  for layer in manifest["layers"]:
+    rows.append("| {layer} | {threshold:.4f} | {hot_count} | {predictor_rank} | {r} | {p} | "
+                "{ps} | {ts} | {kb:.0f} |".format(
+                    r=_fmt(layer["recall"]), p=_fmt(layer["precision"]),
+                    ps=_fmt(layer["predicted_sparsity"]), ts=_fmt(layer["true_sparsity"]),
+                    kb=layer["predictor_bytes"] / 1024, **layer))
+  t = manifest["totals"]
+  rows.append(f"\nmean recall {t['mean_recall']:.3f}, mean predicted sparsity "
+              f"{t['mean_predicted_sparsity']:.3f}, mean true sparsity "
+              f"{t['mean_true_sparsity']:.3f}, predictor bytes "
+              f"{t['predictor_fraction_of_ffn']:.2%} of FFN bytes; device "
+              f"{manifest['device']['device_bytes']} of {manifest['device']['budget_bytes']} "
+              "bytes")
+  return "\n".join(rows)
+
+
+def _fmt(x) -> str:
+  return "-" if x is None else f"{x:.3f}"
+
+
+def main(argv: list[str]) -> None:
+  from absl import flags
+  import pijax
+  from pijax import cli
+  if len(argv) > 1:
+    raise ConfigError(f"unexpected arguments {argv[1:]}.")
+  f = flags.FLAGS
+  cfg = cli.config_value(_CONFIG) if f.config else None
+
+  def pick(name: str, default=None):
+    value = getattr(f, name)
+    if value is not None:
+      return value
+    if cfg is not None and name in cfg:
+      return cfg[name]
+    return default
+
+  out = pick("out")
+  calibration = pick("calibration")
+  if not out or not calibration:
+    raise ConfigError("--out and --calibration are required.")
+  budget_gb = pick("device_budget_gb")
+  if budget_gb is not None and not budget_gb > 0:
+    raise ConfigError(f"--device_budget_gb={budget_gb} must be > 0.")
+  opts = ConvertOptions(
+      calibration=calibration, out=out,
+      target_sparsity=pick("target_sparsity", 0.5),
+      device_budget_bytes=None if budget_gb is None else int(budget_gb * 1e9),
+      hot_ratio=pick("hot_ratio"), cost_model=pick("cost_model"), tile=pick("tile", 64),
+      max_seq_len=pick("max_seq_len", 2048), device_dtype=pick("device_dtype", "float32"),
+      max_tokens=pick("max_tokens", 65536), chunk_len=pick("chunk_len", 512),
+      ranks=cli.parse_ints(pick("ranks", ",".join(map(str, DEFAULT_RANKS))), "ranks"),
+      recall_target=pick("recall_target", 0.95), epochs=pick("epochs", 8),
+      workdir=pick("workdir"), keep_workdir=f.keep_workdir, overwrite=f.overwrite)
+  if not os.path.isfile(opts.calibration):
+    raise ConfigError(f"{opts.calibration}: no such calibration text file.")
+  if not 0.0 <= opts.target_sparsity < 1.0:
+    raise ConfigError(f"--target_sparsity={opts.target_sparsity} must be in [0, 1).")
+  if not 0.0 < opts.recall_target <= 1.0:
+    raise ConfigError(f"--recall_target={opts.recall_target} must be in (0, 1].")
+  model = pijax.load(pick("model", "default"), max_seq_len=opts.max_seq_len)
+  manifest = convert(model, opts)
+  sys.stderr.write(format_table(manifest) + "\n")
+  sys.stderr.write(f"wrote {os.path.abspath(opts.out)} in {manifest['timing']['total_s']:.0f} s\n")
+
+
+if __name__ == "__main__":
+  from absl import flags
+  from ml_collections import config_flags
+  from pijax import cli
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "Optional convert config file.",
+                                            lock_config=False)
+  flags.DEFINE_string("model", None, "GGUF path or 'default'.")
+  flags.DEFINE_string("out", None, "Bundle folder to write.")
+  flags.DEFINE_string("calibration", None, "Calibration text file (UTF-8).")
+  flags.DEFINE_float("target_sparsity", None, "Per-layer sparsity for SwiGLU thresholds.")
+  flags.DEFINE_float("device_budget_gb", None, "Device memory budget, GB (1e9 bytes).")
+  flags.DEFINE_float("hot_ratio", None, "Fraction of each layer's neurons made hot "
+                     "(overrides the solver).")
+  flags.DEFINE_string("cost_model", None, "JSON with host_us_per_neuron/device_us_per_neuron.")
+  flags.DEFINE_integer("tile", None, "Hot counts are multiples of this.")
+  flags.DEFINE_integer("max_seq_len", None, "KV cache tokens accounted on the device.")
+  flags.DEFINE_string("device_dtype", None, "float32 | bfloat16 | float16 device weights.")
+  flags.DEFINE_integer("max_tokens", None, "Calibration tokens to profile at most.")
+  flags.DEFINE_integer("chunk_len", None, "Tokens per calibration chunk.")
+  flags.DEFINE_string("ranks", None, "Predictor rank ladder, e.g. 16,32,64.")
+  flags.DEFINE_float("recall_target", None, "Held-out recall the predictor cut must reach.")
+  flags.DEFINE_integer("epochs", None, "Predictor training epochs per rank.")
+  flags.DEFINE_string("workdir", None, "Keep intermediate files here (default: temp).")
+  flags.DEFINE_boolean("keep_workdir", False, "Do not delete the temporary workdir.")
+  flags.DEFINE_boolean("overwrite", False, "Replace an existing --out bundle.")
+  cli.run(main, "pijax.convert")

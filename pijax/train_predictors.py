@@ -1,0 +1,106 @@
+"""Stage 3 of the offline compile: train every layer's activation predictor.
+
+Reads the profiler's workdir (FFN-block inputs + thresholds), recomputes each layer's true
+active sets from the recorded inputs, and trains `pijax.predictor.train_layer_predictor`
+(rank ladder, cut calibrated on the validation chunks, quality reported on the test chunks).
+Memory: one layer's inputs and active sets at a time (N * (D * 4 + F) bytes).
+
+CLI: python -m pijax.train_predictors --model=default --profile=WORKDIR
+writes WORKDIR/predictors.npz and WORKDIR/predictors.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from pijax import predictor as predictor_lib
+from pijax.profile import Profile, layer_active
+
+PREDICTORS_FILE = "predictors.npz"
+PREDICTORS_META_FILE = "predictors.json"
+DEFAULT_RANKS = (16, 32, 64)
+
+
+def train_predictors(model, profile: Profile, *, ranks: Sequence[int] = DEFAULT_RANKS,
+                     recall_target: float = 0.95, epochs: int = 8, max_rank: int | None = None,
+                     seed: int = 0, progress: bool = True
+                     ) -> list[predictor_lib.LayerPredictor]:
+  """Trains one predictor per layer on the profile's recorded inputs (original neuron order)."""
+  cfg = model.config
+  inputs = profile.ffn_inputs(cfg)
+  out = []
+  layers = tqdm(range(cfg.n_layers), desc="train predictors", disable=not progress)
+  for layer in layers:
+    x = np.asarray(inputs[layer])
+    active = layer_active(model.params, cfg, layer, x, float(profile.thresholds[layer]))
+    result = predictor_lib.train_layer_predictor(
+        x, active, profile.split, ranks=tuple(ranks), recall_target=recall_target,
+        max_rank=max_rank, epochs=epochs, seed=seed + layer)
+    out.append(result)
+    if progress:
+      layers.set_postfix(rank=result.rank, recall=f"{result.test_recall:.3f}",
+                         sparsity=f"{result.test_predicted_sparsity:.3f}")
+  return out
+
+
+def save_predictors(workdir: str, predictors: list[predictor_lib.LayerPredictor]) -> None:
+  """predictors.npz (fc1_i, fc2_i) + predictors.json (everything else), temp file + rename."""
+  arrays = {}
+  for i, p in enumerate(predictors):
+    arrays[f"fc1_{i}"] = p.params["fc1"]
+    arrays[f"fc2_{i}"] = p.params["fc2"]
+  tmp = os.path.join(workdir, PREDICTORS_FILE + ".tmp.npz")
+  np.savez(tmp, **arrays)
+  os.replace(tmp, os.path.join(workdir, PREDICTORS_FILE))
+  meta = [{k: v for k, v in dataclasses.asdict(p).items() if k != "params"} for p in predictors]
+  tmp = os.path.join(workdir, PREDICTORS_META_FILE + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump(meta, f, indent=1)
+  os.replace(tmp, os.path.join(workdir, PREDICTORS_META_FILE))
+
+
+def load_predictors(workdir: str) -> list[predictor_lib.LayerPredictor]:
+  """Reads what `save_predictors` wrote."""
+  from pijax.errors import ConfigError
+  npz_path = os.path.join(workdir, PREDICTORS_FILE)
+  meta_path = os.path.join(workdir, PREDICTORS_META_FILE)
+  if not (os.path.exists(npz_path) and os.path.exists(meta_path)):
+    raise ConfigError(f"{workdir}: no trained predictors here; run "
+                      "`python -m pijax.train_predictors` first.")
+  arrays = np.load(npz_path)
+  with open(meta_path) as f:
+    meta = json.load(f)
+  return [predictor_lib.LayerPredictor(
+      params={"fc1": arrays[f"fc1_{i}"], "fc2": arrays[f"fc2_{i}"]}, **m)
+          for i, m in enumerate(meta)]
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  import pijax
+  from pijax import cli
+  f = flags.FLAGS
+  model = pijax.load(f.model, max_seq_len=f.max_seq_len)
+  prof = Profile.load(f.profile)
+  preds = train_predictors(model, prof, ranks=cli.parse_ints(f.ranks, "ranks"),
+                           recall_target=f.recall_target, epochs=f.epochs)
+  save_predictors(f.profile, preds)
+
+
+if __name__ == "__main__":
+  from absl import flags
+  from pijax import cli
+  flags.DEFINE_string("model", "default", "GGUF path or 'default' (the profiled model).")
+  flags.DEFINE_string("profile", None, "Workdir written by pijax.profile.", required=True)
+  flags.DEFINE_string("ranks", ",".join(map(str, DEFAULT_RANKS)), "Rank ladder.")
+  flags.DEFINE_float("recall_target", 0.95, "Recall the cut must reach on validation text.")
+  flags.DEFINE_integer("epochs", 8, "Training epochs per rank.")
+  flags.DEFINE_integer("max_seq_len", 2048, "KV cache tokens of the loaded model.")
+  cli.run(main, "pijax.train_predictors")

@@ -1,0 +1,146 @@
+"""The offline compile on the real SmolLM2 GGUF: profile, predictors, placement, bundle."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pijax
+from pijax import bundle as bundle_lib
+from pijax.convert import ConvertOptions, convert
+from pijax.errors import BundleError
+from pijax.profile import Profile, layer_active
+
+pytestmark = pytest.mark.slow
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def converted(smollm2, shared_dir, tmp_path_factory):
+  """One small real conversion (12 chunks x 512 tokens of Shakespeare), workdir kept."""
+  base = tmp_path_factory.mktemp("convert")
+  opts = ConvertOptions(
+      calibration=str(shared_dir / "data" / "tinyshakespeare" / "input.txt"),
+      out=str(base / "bundle"), target_sparsity=0.5, device_budget_bytes=int(0.4e9),
+      max_tokens=12 * 512, chunk_len=512, ranks=(16, 32), epochs=3,
+      workdir=str(base / "work"), progress=False)
+  manifest = convert(smollm2, opts)
+  return opts, manifest
+
+
+def test_manifest(converted, smollm2, smollm2_path):
+  opts, manifest = converted
+  on_disk = json.loads((pathlib.Path(opts.out) / "manifest.json").read_text())
+  assert on_disk["source"]["sha256"] == manifest["source"]["sha256"]
+  assert on_disk["calibration"]["tokens"] == 12 * 512
+  assert len(on_disk["layers"]) == smollm2.config.n_layers
+  assert on_disk["totals"]["mean_recall"] >= 0.9
+  for layer in on_disk["layers"]:
+    assert layer["predictor_rank"] in (16, 32)
+    assert 0 <= layer["hot_count"] <= smollm2.config.intermediate_size
+    assert layer["hot_count"] % 64 == 0
+    for key in ("threshold", "recall", "precision", "predicted_sparsity", "true_sparsity"):
+      assert key in layer
+  assert on_disk["device"]["device_bytes"] <= on_disk["device"]["budget_bytes"] == int(0.4e9)
+  assert not [p for p in os.listdir(pathlib.Path(opts.out).parent) if ".tmp-" in p]
+
+
+def test_thresholds_hit_target_sparsity(converted, smollm2):
+  """SwiGLU thresholds give the target sparsity (0.5) +-1% on the calibration text."""
+  opts, _ = converted
+  prof = Profile.load(opts.workdir)
+  assert prof.sparsity.shape == (smollm2.config.n_layers,)
+  assert np.all(np.abs(prof.sparsity - 0.5) <= 0.01), prof.sparsity
+  # And recomputed independently for two layers from the recorded inputs, train split.
+  inputs = prof.ffn_inputs(smollm2.config)
+  for layer in (0, 17):
+    active = layer_active(smollm2.params, smollm2.config, layer, np.asarray(inputs[layer]),
+                          float(prof.thresholds[layer]))
+    train = active[prof.split == 0]
+    assert abs(1.0 - train.mean() - 0.5) <= 0.01
+    np.testing.assert_array_equal(train.sum(0), prof.counts[layer])
+
+
+def test_bundle_roundtrip_and_permutation_invariance(converted, smollm2, hf_tokenizer):
+  opts, manifest = converted
+  tree = bundle_lib.read_checkpoint(opts.out)
+  perm = tree["perm"]
+  # Each layer's permutation is a permutation, sorted by descending frequency.
+  for layer in range(smollm2.config.n_layers):
+    assert sorted(perm[layer].tolist()) == list(range(smollm2.config.intermediate_size))
+    assert np.all(np.diff(tree["frequencies"][layer]) <= 0)
+  # Bit-exact round trip of what was saved.
+  expected = bundle_lib.permute_ffn(smollm2.params, smollm2.config.n_layers, perm)
+  for name in ("layers_0", "layers_29"):
+    for w in ("gate", "up", "down"):
+      np.testing.assert_array_equal(tree["ffn"][name][w], expected[name][w])
+  # pijax.load(bundle): the permuted model's logits equal the original's.
+  model = pijax.load(opts.out)
+  assert model.sparse is not None
+  assert model.sparse.hot_counts == [layer["hot_count"] for layer in manifest["layers"]]
+  ids = hf_tokenizer.encode("The permuted model computes exactly the same function.")
+  ref = smollm2.prompt_logits(ids)
+  got = model.prompt_logits(ids)
+  assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_bundle_predictors_are_permuted_consistently(converted, smollm2):
+  """Predictor outputs on a recorded input, mapped through perm, match the original order."""
+  from pijax import predictor as predictor_lib
+  from pijax.train_predictors import load_predictors
+  opts, _ = converted
+  tree = bundle_lib.read_checkpoint(opts.out)
+  original = load_predictors(opts.workdir) if os.path.exists(
+      os.path.join(opts.workdir, "predictors.npz")) else None
+  prof = Profile.load(opts.workdir)
+  x = np.asarray(prof.ffn_inputs(smollm2.config)[3][:64])
+  permuted = np.asarray(predictor_lib.predictor_logits(tree["predictors"]["layers_3"], x))
+  fc2_unpermuted = np.empty_like(tree["predictors"]["layers_3"]["fc2"])
+  fc2_unpermuted[:, tree["perm"][3]] = tree["predictors"]["layers_3"]["fc2"]
+  unpermuted = np.asarray(predictor_lib.predictor_logits(
+      {"fc1": tree["predictors"]["layers_3"]["fc1"], "fc2": fc2_unpermuted}, x))
+  np.testing.assert_allclose(permuted, unpermuted[:, tree["perm"][3]], rtol=1e-6, atol=1e-6)
+  del original
+
+
+def test_bundle_version_and_source_mismatch(converted, tmp_path, smollm2_path):
+  opts, _ = converted
+  copy = tmp_path / "copy"
+  shutil.copytree(opts.out, copy)
+  manifest = json.loads((copy / "manifest.json").read_text())
+  manifest["source"]["sha256"] = "0" * 64
+  (copy / "manifest.json").write_text(json.dumps(manifest))
+  with pytest.raises(BundleError, match="sha256"):
+    pijax.load(str(copy))
+  manifest["source"]["sha256"] = json.loads(
+      (pathlib.Path(opts.out) / "manifest.json").read_text())["source"]["sha256"]
+  manifest["version"] = 999
+  (copy / "manifest.json").write_text(json.dumps(manifest))
+  with pytest.raises(BundleError, match="version"):
+    pijax.load(str(copy))
+
+
+def test_convert_refuses_existing_out_and_tiny_budget(converted, shared_dir, tmp_path):
+  opts, _ = converted
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cal = str(shared_dir / "data" / "tinyshakespeare" / "input.txt")
+  proc = subprocess.run(
+      [sys.executable, "-m", "pijax.convert", f"--out={opts.out}", f"--calibration={cal}",
+       "--device_budget_gb=0.5"], cwd=ROOT, env=env, capture_output=True, text=True)
+  assert proc.returncode == 2 and "already exists" in proc.stderr
+  assert len(proc.stderr.strip().splitlines()) == 1
+  out = tmp_path / "tiny_budget"
+  proc = subprocess.run(
+      [sys.executable, "-m", "pijax.convert", f"--out={out}", f"--calibration={cal}",
+       "--device_budget_gb=0.1", "--max_tokens=1536", "--epochs=1", "--ranks=16"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  last = proc.stderr.strip().splitlines()[-1]
+  assert "bytes" in last and "100000000" in last
+  assert not out.exists()
+  assert not [p for p in os.listdir(tmp_path) if p.startswith("tiny_budget.tmp")]
