@@ -198,6 +198,7 @@ def load_bundle(path: str, *, dtype: str = "float32", max_seq_len: int | None = 
                       ffn_activation=manifest["model"].get("ffn_activation"))
   tree = read_checkpoint(path)
   model.params = with_ffn(model.params, tree["ffn"], model.dtype)
+  model._compiled.clear()
   model.sparse = SparseBundle(
       path=os.path.abspath(path), manifest=manifest, ffn=tree["ffn"],
       predictors=tree["predictors"], cuts=tree["cuts"], thresholds=tree["thresholds"],

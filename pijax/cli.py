@@ -49,16 +49,19 @@ def config_value(holder):
 def run(main: Callable[[list[str]], None], prog: str) -> None:
   """absl.app.run with flag errors and PijaxError turned into one line + exit 2."""
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  try:  # Generated text is UTF-8 whatever the locale says.
+    sys.stdout.reconfigure(encoding="utf-8", errors="replace")
+  except (AttributeError, ValueError):
+    pass
   from absl import app, flags
 
   def parse_flags(argv: list[str]) -> list[str]:
     try:
       return flags.FLAGS(argv)
     except flags.Error as err:
-      fail(prog, f"{err} (see --helpfull)")
-    except (OSError, ValueError, SyntaxError, AttributeError, KeyError) as err:
-      # config_flags raises these for a missing or broken --config file.
-      fail(prog, f"bad --config: {type(err).__name__}: {err}")
+      fail(prog, " ".join(f"{err} (see --helpfull)".split()))
+    except Exception as err:  # Flag files that cannot be read or decoded, broken configs.
+      fail(prog, "bad flags: " + " ".join(f"{type(err).__name__}: {err}".split()))
     return []
 
   def guarded(argv: list[str]) -> None:
@@ -69,7 +72,14 @@ def run(main: Callable[[list[str]], None], prog: str) -> None:
     try:
       main(argv)
     except PijaxError as err:
-      fail(prog, str(err))
+      fail(prog, " ".join(str(err).split()))
+    except BrokenPipeError:
+      # The reader went away (e.g. `| head`): stop quietly, as cat does.
+      try:
+        sys.stdout = open(os.devnull, "w")
+      except OSError:
+        pass
+      os._exit(0)  # Avoid a second BrokenPipeError while flushing at exit.
     except KeyboardInterrupt:
       sys.stderr.write(f"\n{prog}: interrupted\n")
       raise SystemExit(130) from None

@@ -36,6 +36,23 @@ STOP_EOS = "eos"  # An end-of-sequence / end-of-turn token was sampled.
 STOP_LENGTH = "length"  # max_new_tokens reached, or the context (max_seq_len) is full.
 
 
+def _token_ids(prompt: Any) -> list[int]:
+  """A prompt given as token ids: a flat sequence of ints (not bytes, not floats)."""
+  if isinstance(prompt, (bytes, bytearray)):
+    raise ConfigError("the prompt is bytes; pass text (str) or a list of token ids.")
+  arr = np.asarray(prompt)
+  if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+    raise ConfigError(f"token-id prompts must be a flat list of integers, got "
+                      f"{arr.dtype}{list(arr.shape)}.")
+  return [int(i) for i in arr]
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}.")
+  return int(value)
+
+
 def _next_pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 
@@ -51,6 +68,16 @@ class GenerationStats:
   prefill_s: float = 0.0
   decode_s: float = 0.0
   decode_steps: int = 0
+  active_sum: float = 0.0  # Sum over decode steps of the mean active FFN fraction.
+
+  def add_active(self, active: np.ndarray) -> None:
+    """Records one decode step's per-layer active FFN fractions."""
+    self.active_sum += float(np.mean(active))
+
+  @property
+  def ffn_sparsity(self) -> float:
+    """Measured FFN sparsity of decode: fraction of FFN neurons skipped, over layers, steps."""
+    return 1.0 - self.active_sum / self.decode_steps if self.decode_steps else 0.0
 
   @property
   def prefill_tokens_per_s(self) -> float:
@@ -64,7 +91,8 @@ class GenerationStats:
     return (f"prompt tokens: {self.prompt_tokens}, new tokens: {self.new_tokens}, "
             f"load: {self.load_s:.2f} s, compile: {self.compile_s:.2f} s, "
             f"prefill: {self.prefill_tokens_per_s:.1f} tok/s, "
-            f"decode: {self.decode_tokens_per_s:.1f} tok/s, stop: {stop_reason}")
+            f"decode: {self.decode_tokens_per_s:.1f} tok/s, "
+            f"FFN sparsity: {self.ffn_sparsity:.1%}, stop: {stop_reason}")
 
 
 @dataclasses.dataclass
@@ -95,34 +123,54 @@ class Stream:
       raise StopIteration from None
 
 
-def _prefill_sample(params, cache, tokens, length, pos, key, sparams, recent, *, config, kv_len):
-  """Prefill + sample the first new token. Returns (token i32[B], cache, key)."""
-  logits, cache = model_lib.prefill(params, cache, tokens, length, config=config, kv_len=kv_len,
-                                    pos=pos)
+def _run(params, cache, tokens, length, pos, *, config, kv_len, sparse, all_logits):
+  """Dense or hybrid prefill: (logits, cache, active_fraction f32[L] (ones when dense))."""
+  if sparse is None:
+    logits, cache = model_lib.prefill(params, cache, tokens, length, config=config,
+                                      kv_len=kv_len, pos=pos, all_logits=all_logits)
+    return logits, cache, jnp.ones((config.n_layers,), jnp.float32)
+  from pijax import hybrid
+  return hybrid.hybrid_prefill(params, cache, tokens, length, config=config, kv_len=kv_len,
+                               sparse=sparse, pos=pos, all_logits=all_logits)
+
+
+def _prefill_sample(params, cache, tokens, length, pos, key, sparams, recent, *, config, kv_len,
+                    sparse=None):
+  """Prefill + sample the first new token. Returns (token i32[B], cache, key, active)."""
+  logits, cache, active = _run(params, cache, tokens, length, pos, config=config, kv_len=kv_len,
+                               sparse=sparse, all_logits=False)
   key, sub = jax.random.split(key)
   token = sampling_lib.sample(logits, sub, sparams, recent)
-  return token, cache, key
+  return token, cache, key, active
 
 
-def _prefill_chunk(params, cache, tokens, length, pos, *, config, kv_len):
-  """Prefill one non-final chunk (no logits needed). Returns the cache."""
-  _, cache = model_lib.prefill(params, cache, tokens, length, config=config, kv_len=kv_len,
-                               pos=pos)
-  return cache
+def _prefill_chunk(params, cache, tokens, length, pos, *, config, kv_len, sparse=None):
+  """Prefill one non-final chunk (no logits needed). Returns (cache, active)."""
+  _, cache, active = _run(params, cache, tokens, length, pos, config=config, kv_len=kv_len,
+                          sparse=sparse, all_logits=False)
+  return cache, active
 
 
-def _decode_sample(params, cache, tokens, pos, key, sparams, recent, *, config, kv_len):
-  """Decode one token + sample the next. Returns (token i32[B], cache, key)."""
-  logits, cache = model_lib.decode_step(params, cache, tokens, pos, config=config, kv_len=kv_len)
+def _decode_sample(params, cache, tokens, pos, key, sparams, recent, *, config, kv_len,
+                   sparse=None):
+  """Decode one token + sample the next. Returns (token i32[B], cache, key, active)."""
+  if sparse is None:
+    logits, cache = model_lib.decode_step(params, cache, tokens, pos, config=config,
+                                          kv_len=kv_len)
+    active = jnp.ones((config.n_layers,), jnp.float32)
+  else:
+    from pijax import hybrid
+    logits, cache, active = hybrid.hybrid_decode_step(params, cache, tokens, pos,
+                                                      config=config, kv_len=kv_len,
+                                                      sparse=sparse)
   key, sub = jax.random.split(key)
   token = sampling_lib.sample(logits, sub, sparams, recent)
-  return token, cache, key
+  return token, cache, key, active
 
 
-def _all_logits(params, cache, tokens, length, pos, *, config, kv_len):
-  logits, cache = model_lib.prefill(params, cache, tokens, length, config=config, kv_len=kv_len,
-                                    pos=pos, all_logits=True)
-  return logits, cache
+def _all_logits(params, cache, tokens, length, pos, *, config, kv_len, sparse=None):
+  return _run(params, cache, tokens, length, pos, config=config, kv_len=kv_len, sparse=sparse,
+              all_logits=True)
 
 
 class Model:
@@ -150,8 +198,74 @@ class Model:
     self.path = path
     self.load_s = load_s
     self.sparse = None  # pijax.bundle.SparseBundle when loaded from a converted bundle.
+    self.sparse_spec = None  # pijax.hybrid.SparseSpec when a sparse mode is configured.
+    self._hybrid_params = None  # Param tree of the hybrid step (sparse modes).
     self._compiled: dict[tuple, Any] = {}
     self.compile_s = 0.0  # Total AOT compile time so far.
+
+  @property
+  def _run_params(self) -> Any:
+    """What the step functions get: hybrid params in sparse modes, else the dense params."""
+    return self.params if self.sparse_spec is None else self._hybrid_params
+
+  @property
+  def sparse_mode(self) -> str:
+    return "off" if self.sparse_spec is None else self.sparse_spec.mode
+
+  def configure_sparse(self, mode: str = "off", *, hot_ratio: float | None = None,
+                       device_budget_gb: float | None = None, host_threads: int | None = None,
+                       oracle_threshold: float | None = None,
+                       use_pallas: bool | None = None) -> None:
+    """Selects dense ("off"), "oracle" or "predictor" execution of the FFNs.
+
+    Args:
+      mode: "off" | "oracle" | "predictor" (sparse modes need a bundle).
+      hot_ratio: re-place at load: this fraction of each layer's neurons is hot.
+      device_budget_gb: re-place at load with the MILP for this device budget (1e9 bytes).
+      host_threads: numba threads for the cold neurons.
+      oracle_threshold: replaces the contribution thresholds in oracle mode (0 = all active).
+      use_pallas: force the Pallas kernel for the hot part of decode (default: on GPU).
+
+    Raises:
+      ConfigError: bad mode, a plain GGUF with a sparse mode, bad hot_ratio.
+      BudgetError: the budget is too small for the dense part.
+    """
+    from pijax import hybrid
+    from pijax.errors import ConfigError
+    if mode not in hybrid.MODES:
+      raise ConfigError(f"--sparse={mode!r} must be one of {', '.join(hybrid.MODES)}.")
+    if host_threads is not None:
+      if host_threads < 1:
+        raise ConfigError(f"--host_threads={host_threads} must be >= 1.")
+      from host_ops import sparse_ffn as host_ffn
+      host_ffn.set_host_threads(int(host_threads))
+    self._compiled.clear()
+    if mode == hybrid.MODE_OFF:
+      self.sparse_spec, self._hybrid_params = None, None
+      return
+    hot_counts = None
+    if hot_ratio is not None or device_budget_gb is not None:
+      hot_counts = self.replace(hot_ratio=hot_ratio, device_budget_gb=device_budget_gb)
+    self.sparse_spec, self._hybrid_params = hybrid.build_hybrid(
+        self, mode=mode, hot_counts=hot_counts, oracle_threshold=oracle_threshold,
+        use_pallas=use_pallas)
+
+  def replace(self, *, hot_ratio: float | None = None,
+              device_budget_gb: float | None = None) -> list[int]:
+    """Per-layer hot counts re-placed from the bundle's frequencies (see pijax.placement)."""
+    from pijax import placement as placement_lib
+    from pijax.errors import ConfigError
+    if self.sparse is None:
+      raise ConfigError(f"{self.path}: re-placing neurons needs a bundle (pijax.convert).")
+    if device_budget_gb is not None and not device_budget_gb > 0:
+      raise ConfigError(f"--device_budget_gb={device_budget_gb} must be > 0.")
+    ranks = [int(layer["predictor_rank"]) for layer in self.sparse.manifest["layers"]]
+    placement = placement_lib.place(
+        self.config, self.sparse.frequencies,
+        budget_bytes=None if device_budget_gb is None else int(device_budget_gb * 1e9),
+        max_seq_len=self.max_seq_len, dtype_bytes=self.dtype.itemsize, predictor_ranks=ranks,
+        tile=int(self.sparse.manifest["placement"].get("tile", 64)), hot_ratio=hot_ratio)
+    return list(placement.hot_counts)
 
   # ----------------------------------------------------------------------------- compiling
   def _kv_bucket(self, needed: int) -> int:
@@ -159,7 +273,8 @@ class Model:
 
   def _compiled_fn(self, kind: str, fn, static: dict, args: tuple, donate: tuple[int, ...]):
     """AOT-compiles `fn` for these argument shapes once; returns the executable."""
-    key = (kind, tuple(sorted(static.items())),
+    static = dict(static, sparse=self.sparse_spec)
+    key = (kind, tuple(sorted(static.items(), key=lambda kv: kv[0])),
            tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(args)))
     exe = self._compiled.get(key)
     if exe is None:
@@ -189,6 +304,11 @@ class Model:
       ContextError: the prompt is empty or longer than max_seq_len.
     """
     if isinstance(prompt, str):
+      try:
+        prompt.encode("utf-8")
+      except UnicodeEncodeError as err:
+        raise ContextError(f"the prompt is not valid UTF-8 text ({err.reason} at character "
+                           f"{err.start}); pass UTF-8 text.") from None
       if chat:
         from pijax.chat import encode_chat
         if not self.tokenizer.chat_template:
@@ -201,7 +321,7 @@ class Model:
       else:
         ids = self.tokenizer.encode(prompt, add_special=True, parse_special=parse_special)
     else:
-      ids = [int(i) for i in prompt]
+      ids = _token_ids(prompt)
     if not ids:
       raise ContextError("the prompt is empty (0 tokens) and there is nothing to continue; "
                          "give a non-empty prompt.")
@@ -233,17 +353,17 @@ class Model:
       length = jnp.asarray(len(chunk), jnp.int32)
       jpos = jnp.asarray(pos, jnp.int32)
       if last:
-        args = (self.params, cache, jnp.asarray(tokens), length, jpos, key, sparams, recent)
+        args = (self._run_params, cache, jnp.asarray(tokens), length, jpos, key, sparams, recent)
         exe = self._compiled_fn("prefill", _prefill_sample, {"kv_len": kv_len}, args, (1,))
         t0 = time.perf_counter()
-        token, cache, key = exe(*args)
+        token, cache, key, active = exe(*args)
         token = np.asarray(token)
         stats.prefill_s += time.perf_counter() - t0
       else:
-        args = (self.params, cache, jnp.asarray(tokens), length, jpos)
+        args = (self._run_params, cache, jnp.asarray(tokens), length, jpos)
         exe = self._compiled_fn("prefill_chunk", _prefill_chunk, {"kv_len": kv_len}, args, (1,))
         t0 = time.perf_counter()
-        cache = exe(*args)
+        cache, active = exe(*args)
         jax.block_until_ready(cache)
         stats.prefill_s += time.perf_counter() - t0
       pos += len(chunk)
@@ -254,8 +374,6 @@ class Model:
                     repeat_last_n: int, stats: GenerationStats, stop_ids: frozenset[int]
                     ) -> Iterator[tuple[int, str | None]]:
     """Yields (token id, None) per generated token and finally (-1, stop_reason)."""
-    if max_new_tokens < 0:
-      raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 0.")
     if max_new_tokens == 0:
       yield -1, STOP_LENGTH
       return
@@ -288,16 +406,17 @@ class Model:
         return
       recent_buf.append(tok)
       kv_len = self._kv_bucket(pos + 1)
-      args = (self.params, cache, jnp.asarray([tok], jnp.int32), jnp.asarray(pos, jnp.int32),
+      args = (self._run_params, cache, jnp.asarray([tok], jnp.int32), jnp.asarray(pos, jnp.int32),
               key, sparams, recent())
       compile_before = self.compile_s
       exe = self._compiled_fn("decode", _decode_sample, {"kv_len": kv_len}, args, (1,))
       stats.compile_s += self.compile_s - compile_before
       t0 = time.perf_counter()
-      token, cache, key = exe(*args)
+      token, cache, key, active = exe(*args)
       token = np.asarray(token)
       stats.decode_s += time.perf_counter() - t0
       stats.decode_steps += 1
+      stats.add_active(np.asarray(active))
       pos += 1
 
   def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
@@ -324,6 +443,12 @@ class Model:
       ConfigError: invalid sampling parameters or no chat template.
       ContextError: empty prompt or a prompt longer than max_seq_len.
     """
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
+    repeat_last_n = _check_int("repeat_last_n", repeat_last_n, 1)
+    seed = _check_int("seed", seed, -(2 ** 63))
+    if seed >= 2 ** 63:
+      raise ConfigError(f"seed={seed} must be below 2**63.")
+    seed &= 0xFFFFFFFF  # The PRNG key uses 32 bits (llama.cpp seeds are uint32 too).
     sparams = sampling_lib.make_sampling_params(temperature=temperature, top_k=top_k,
                                                 top_p=top_p, min_p=min_p,
                                                 repeat_penalty=repeat_penalty)
@@ -365,25 +490,34 @@ class Model:
     assert stream.result is not None
     return stream.result
 
-  def prompt_logits(self, ids: Sequence[int]) -> np.ndarray:
-    """f32[T, V] logits at every position of `ids` (one prefill, chunked like generation)."""
+  def prompt_logits(self, ids: Sequence[int], *, return_active: bool = False):
+    """f32[T, V] logits at every position of `ids` (one prefill, chunked like generation).
+
+    With return_active, also f32[L]: each layer's active FFN fraction over the real tokens
+    (1.0 when dense).
+    """
     ids = self.encode_prompt(list(ids))
     cache = self.new_cache(1)
     out = []
+    active_sum = np.zeros(self.config.n_layers)
     pos = 0
     while pos < len(ids):
       chunk = ids[pos:pos + PREFILL_CHUNK]
       bucket = min(max(MIN_PREFILL_BUCKET, _next_pow2(len(chunk))), self.max_seq_len - pos)
       tokens = np.zeros((1, bucket), np.int32)
       tokens[0, :len(chunk)] = chunk
-      args = (self.params, cache, jnp.asarray(tokens), jnp.asarray(len(chunk), jnp.int32),
+      args = (self._run_params, cache, jnp.asarray(tokens), jnp.asarray(len(chunk), jnp.int32),
               jnp.asarray(pos, jnp.int32))
       exe = self._compiled_fn("logits", _all_logits, {"kv_len": self._kv_bucket(pos + bucket)},
                               args, (1,))
-      logits, cache = exe(*args)
+      logits, cache, active = exe(*args)
       out.append(np.asarray(logits[0, :len(chunk)]))
+      active_sum += np.asarray(active) * len(chunk)
       pos += len(chunk)
-    return np.concatenate(out, axis=0)
+    logits = np.concatenate(out, axis=0)
+    if return_active:
+      return logits, (active_sum / len(ids)).astype(np.float32)
+    return logits
 
 
 def load(path_or_default: str | os.PathLike[str] = "default", *, dtype: str = "float32",

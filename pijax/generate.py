@@ -13,6 +13,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from pijax import cli
+from pijax import sparse_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "ml_collections config file (e.g. configs/smollm2_135m.py).",
@@ -33,10 +34,34 @@ _PARSE_SPECIAL = flags.DEFINE_boolean(
     "special tokens instead of plain text.")
 _MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", None, "KV cache length (tokens).")
 _DTYPE = flags.DEFINE_string("dtype", None, "float32 (CPU) or bfloat16 (GPU).")
-
-
 def _pick(flag, default):
   return default if flag.value is None else flag.value
+
+
+_REQUIRED = {"model": str, "dtype": str, "max_seq_len": int, "max_new_tokens": int}
+_REQUIRED_SAMPLING = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
+                      "repeat_penalty": float, "repeat_last_n": int, "seed": int}
+
+
+def _check_config(cfg) -> None:
+  """Raises ConfigError naming the first missing or mistyped config field."""
+  from pijax.errors import ConfigError
+
+  def check(holder, fields, prefix):
+    for name, kind in fields.items():
+      if name not in holder:
+        raise ConfigError(f"--config has no field {prefix}{name}; see configs/smollm2_135m.py.")
+      value = holder[name]
+      ok = isinstance(value, (int, float)) and not isinstance(value, bool) \
+          if kind is float else isinstance(value, kind) and not isinstance(value, bool)
+      if not ok:
+        raise ConfigError(f"--config field {prefix}{name}={value!r} must be a "
+                          f"{kind.__name__}.")
+
+  check(cfg, _REQUIRED, "")
+  if "sampling" not in cfg:
+    raise ConfigError("--config has no field sampling; see configs/smollm2_135m.py.")
+  check(cfg.sampling, _REQUIRED_SAMPLING, "sampling.")
 
 
 def main(argv: list[str]) -> None:
@@ -47,6 +72,11 @@ def main(argv: list[str]) -> None:
   from pijax.errors import ConfigError
   from pijax.sampling import make_sampling_params
   cfg = cli.config_value(_CONFIG)
+  try:
+    _check_config(cfg)
+  except (AttributeError, KeyError, TypeError) as err:
+    raise ConfigError(f"--config is missing a field or has a wrong type ({err}); see "
+                      "configs/smollm2_135m.py for the expected fields.") from None
   sampling = cfg.sampling
   prompt = _pick(_PROMPT, cfg.get("prompt", None))
   if prompt is None:
@@ -65,6 +95,7 @@ def main(argv: list[str]) -> None:
                      max_seq_len=_pick(_MAX_SEQ_LEN, cfg.max_seq_len),
                      ffn_activation=cfg.get("ffn_activation", None) or None)
   logging.debug("loaded %s in %.2f s", model.path, model.load_s)
+  sparse_flags.configure(model, cfg)
   stream = model.stream(
       prompt,
       max_new_tokens=max_new_tokens,

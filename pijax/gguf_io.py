@@ -20,12 +20,22 @@ GGUF_MAGIC = b"GGUF"
 
 def _check_path(path: str | os.PathLike[str]) -> str:
   path = os.fspath(path)
-  if not os.path.exists(path):
+  if os.path.islink(path) and not os.path.exists(path):
+    raise GGUFError(f"{path}: a broken or looping symlink; pass an existing .gguf file.")
+  if path and not os.path.exists(path):
     raise GGUFError(f"{path}: no such file; pass an existing .gguf file (or 'default').")
+  if not path:
+    raise GGUFError("the model path is empty; pass a .gguf file (or 'default').")
   if os.path.isdir(path):
     raise GGUFError(f"{path}: is a directory, not a GGUF file; pass the .gguf file itself.")
-  with open(path, "rb") as f:
-    magic = f.read(4)
+  if not os.path.isfile(path):
+    raise GGUFError(f"{path}: not a regular file (device, FIFO or socket); pass a .gguf file.")
+  try:
+    with open(path, "rb") as f:
+      magic = f.read(4)
+  except OSError as err:
+    raise GGUFError(f"{path}: cannot read the file ({err.strerror or err}); check its "
+                    "permissions.") from None
   if magic != GGUF_MAGIC:
     raise GGUFError(
         f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF'); "

@@ -62,16 +62,34 @@ def config_from_metadata(metadata: dict[str, Any], path: str, tensor_names: set[
                       "re-convert it.")
     return metadata[full]
 
-  hidden = int(need("embedding_length"))
-  n_heads = int(need("attention.head_count"))
-  n_kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv", n_heads))
-  head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // n_heads))
+  def positive_int(key: str, default: Any = None) -> int:
+    value = need(key) if default is None else metadata.get(f"{arch}.{key}", default)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+      raise GGUFError(f"{path}: metadata {arch}.{key}={value!r} must be a positive integer; "
+                      "the file is corrupt, re-convert it.")
+    return int(value)
+
+  def positive_float(key: str, default: float) -> float:
+    value = metadata.get(f"{arch}.{key}", default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or \
+        not np.isfinite(value) or value <= 0:
+      raise GGUFError(f"{path}: metadata {arch}.{key}={value!r} must be a positive number; "
+                      "the file is corrupt, re-convert it.")
+    return float(value)
+
+  hidden = positive_int("embedding_length")
+  n_heads = positive_int("attention.head_count")
+  n_kv_heads = positive_int("attention.head_count_kv", n_heads)
+  head_dim = positive_int("attention.key_length", max(hidden // n_heads, 1))
   if n_heads % n_kv_heads:
     raise GGUFError(f"{path}: head_count {n_heads} is not a multiple of head_count_kv "
                     f"{n_kv_heads}.")
-  vocab = metadata.get(f"{arch}.vocab_size")
-  if vocab is None:
-    vocab = len(metadata.get("tokenizer.ggml.tokens", []))
+  n_tokens = len(metadata.get("tokenizer.ggml.tokens", []))
+  vocab = positive_int("vocab_size", n_tokens) if (f"{arch}.vocab_size" in metadata or
+                                                   n_tokens) else positive_int("vocab_size")
+  if n_tokens and vocab != n_tokens:
+    raise GGUFError(f"{path}: {arch}.vocab_size={vocab} but the tokenizer has {n_tokens} "
+                    "tokens; the file is inconsistent, re-convert it.")
   activation = metadata.get(_ACTIVATION_KEY) or ffn_activation or "silu"
   if activation not in config_lib.ACTIVATION_TO_FAMILY:
     raise GGUFError(f"{path}: FFN activation {activation!r} is not supported; use one of "
@@ -82,20 +100,24 @@ def config_from_metadata(metadata: dict[str, Any], path: str, tensor_names: set[
     rope_scale = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))
   elif scaling_type not in ("none", None):
     raise GGUFError(f"{path}: RoPE scaling {scaling_type!r} is not supported (only linear).")
+  rope_dim = positive_int("rope.dimension_count", head_dim)
+  if rope_dim > head_dim or rope_dim % 2:
+    raise GGUFError(f"{path}: rope.dimension_count={rope_dim} must be even and <= head_dim "
+                    f"{head_dim}.")
   return config_lib.ModelConfig(
       arch=arch,
       vocab_size=int(vocab),
       hidden_size=hidden,
-      intermediate_size=int(need("feed_forward_length")),
-      n_layers=int(need("block_count")),
+      intermediate_size=positive_int("feed_forward_length"),
+      n_layers=positive_int("block_count"),
       n_heads=n_heads,
       n_kv_heads=n_kv_heads,
       head_dim=head_dim,
-      rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+      rope_theta=positive_float("rope.freq_base", 10000.0),
       rope_style=config_lib.ROPE_ADJACENT,
-      rope_dim=int(metadata.get(f"{arch}.rope.dimension_count", head_dim)),
-      rms_norm_eps=float(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-      context_length=int(metadata.get(f"{arch}.context_length", 2048)),
+      rope_dim=rope_dim,
+      rms_norm_eps=positive_float("attention.layer_norm_rms_epsilon", 1e-5),
+      context_length=positive_int("context_length", 2048),
       ffn_family=config_lib.ACTIVATION_TO_FAMILY[activation],
       tied_output="output.weight" not in tensor_names,
       rope_scale=rope_scale,

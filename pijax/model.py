@@ -195,10 +195,16 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-  """One decoder layer (pre-norm): x += attn(norm(x)); x += ffn(norm(x))."""
+  """One decoder layer (pre-norm): x += attn(norm(x)); x += ffn(norm(x)).
+
+  With `sparse` set (a `pijax.hybrid.SparseSpec`), the FFN is the hybrid one: predicted (or
+  oracle) active neurons, hot ones on the device, cold ones on the host.
+  """
 
   config: ModelConfig
   kv_len: int
+  layer: int = 0
+  sparse: Any = None
 
   @nn.compact
   def __call__(self, x: jax.Array, cache_k: jax.Array, cache_v: jax.Array, pos: jax.Array,
@@ -211,7 +217,12 @@ class Block(nn.Module):
     # The FFN-block input (residual stream before its norm): the predictors' input. Recorded
     # only when applied with mutable=["intermediates"] (the profiler); free otherwise.
     self.sow("intermediates", "ffn_input", x)
-    x = x + FeedForward(self.config, name="ffn")(RMSNorm(eps, name="ffn_norm")(x))
+    h = RMSNorm(eps, name="ffn_norm")(x)
+    if self.sparse is None:
+      x = x + FeedForward(self.config, name="ffn")(h)
+    else:
+      from pijax.hybrid import HybridFFN  # Imported here: hybrid imports this module.
+      x = x + HybridFFN(self.config, self.sparse, self.layer, name="ffn")(x, h)
     return x, cache_k, cache_v
 
 
@@ -225,6 +236,7 @@ class Transformer(nn.Module):
 
   config: ModelConfig
   kv_len: int
+  sparse: Any = None  # pijax.hybrid.SparseSpec for hybrid sparse FFNs; None = dense.
 
   @nn.compact
   def __call__(self, tokens: jax.Array, pos: jax.Array, cache: KVCache,
@@ -251,8 +263,8 @@ class Transformer(nn.Module):
     pos = jnp.asarray(pos, jnp.int32)
     new_k, new_v = [], []
     for i in range(cfg.n_layers):
-      x, k, v = Block(cfg, self.kv_len, name=f"layers_{i}")(x, cache.k[i], cache.v[i], pos,
-                                                             cos, sin)
+      x, k, v = Block(cfg, self.kv_len, i, self.sparse, name=f"layers_{i}")(
+          x, cache.k[i], cache.v[i], pos, cos, sin)
       new_k.append(k)
       new_v.append(v)
     cache = KVCache(k=tuple(new_k), v=tuple(new_v))

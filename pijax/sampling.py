@@ -32,6 +32,7 @@ import numbers
 
 import flax.struct
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
@@ -71,6 +72,14 @@ def _as_float(name: str, value, valid: str) -> float:
   return float(value)
 
 
+def _f32_ok(value: float, *, allow_zero: bool) -> bool:
+  """The value survives the cast to float32: finite, and non-zero unless it was zero."""
+  with np.errstate(over="ignore", under="ignore"):
+    v = float(np.float32(value))
+  return math.isfinite(v) and (v != 0.0 or (allow_zero and value == 0.0)) and \
+      (value == 0.0 or 1e-30 <= abs(v) <= 1e30)
+
+
 def make_sampling_params(
     temperature: float = 0.0,
     top_k: int = 0,
@@ -95,7 +104,7 @@ def make_sampling_params(
   """
   valid = "a finite number >= 0 (0 = greedy)"
   t = _as_float("temperature", temperature, valid)
-  if not (math.isfinite(t) and t >= 0.0):
+  if not (math.isfinite(t) and t >= 0.0) or not _f32_ok(t, allow_zero=True):
     raise ConfigError(f"temperature={temperature!r} is invalid; temperature must be {valid}.")
 
   valid = f"an integer in [0, {_INT32_MAX}] (0 = off)"
@@ -116,7 +125,7 @@ def make_sampling_params(
 
   valid = "a finite number > 0 (1 = off)"
   r = _as_float("repeat_penalty", repeat_penalty, valid)
-  if not (math.isfinite(r) and r > 0.0):
+  if not (math.isfinite(r) and r > 0.0) or not _f32_ok(r, allow_zero=False):
     raise ConfigError(
         f"repeat_penalty={repeat_penalty!r} is invalid; repeat_penalty must be {valid}.")
 

@@ -29,6 +29,7 @@ DEFAULT_RANKS = (16, 32, 64)
 
 def train_predictors(model, profile: Profile, *, ranks: Sequence[int] = DEFAULT_RANKS,
                      recall_target: float = 0.95, epochs: int = 8, max_rank: int | None = None,
+                     learning_rate: float = 1e-2,
                      seed: int = 0, progress: bool = True
                      ) -> list[predictor_lib.LayerPredictor]:
   """Trains one predictor per layer on the profile's recorded inputs (original neuron order)."""
@@ -39,9 +40,17 @@ def train_predictors(model, profile: Profile, *, ranks: Sequence[int] = DEFAULT_
   for layer in layers:
     x = np.asarray(inputs[layer])
     active = layer_active(model.params, cfg, layer, x, float(profile.thresholds[layer]))
-    result = predictor_lib.train_layer_predictor(
-        x, active, profile.split, ranks=tuple(ranks), recall_target=recall_target,
-        max_rank=max_rank, epochs=epochs, seed=seed + layer)
+    lr = learning_rate
+    for attempt in range(3):
+      result = predictor_lib.train_layer_predictor(
+          x, active, profile.split, ranks=tuple(ranks), recall_target=recall_target,
+          max_rank=max_rank, epochs=epochs, learning_rate=lr, seed=seed + layer + 1000 * attempt)
+      # A run whose ReLUs all died predicts nothing (loss stuck at ln 2, sparsity ~0) although
+      # the layer is sparse: retry with a smaller step.
+      dead = result.true_sparsity > 0.1 and result.test_predicted_sparsity < 0.01
+      if not dead:
+        break
+      lr /= 3.0
     out.append(result)
     if progress:
       layers.set_postfix(rank=result.rank, recall=f"{result.test_recall:.3f}",

@@ -51,3 +51,17 @@ def smollm2(smollm2_path):
   """pijax's Model for the default GGUF (f32, 2048-token context)."""
   import pijax
   return pijax.load(smollm2_path, max_seq_len=2048)
+
+
+@pytest.fixture(scope="session")
+def converted(smollm2, shared_dir, tmp_path_factory):
+  """One small real conversion (12 chunks x 512 tokens of Shakespeare), workdir kept."""
+  from pijax.convert import ConvertOptions, convert
+  base = tmp_path_factory.mktemp("convert")
+  opts = ConvertOptions(
+      calibration=str(shared_dir / "data" / "tinyshakespeare" / "input.txt"),
+      out=str(base / "bundle"), target_sparsity=0.5, device_budget_bytes=int(0.4e9),
+      max_tokens=12 * 512, chunk_len=512, ranks=(16, 32), epochs=3,
+      workdir=str(base / "work"), progress=False)
+  manifest = convert(smollm2, opts)
+  return opts, manifest

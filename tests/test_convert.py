@@ -12,25 +12,11 @@ import pytest
 
 import pijax
 from pijax import bundle as bundle_lib
-from pijax.convert import ConvertOptions, convert
 from pijax.errors import BundleError
 from pijax.profile import Profile, layer_active
 
 pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def converted(smollm2, shared_dir, tmp_path_factory):
-  """One small real conversion (12 chunks x 512 tokens of Shakespeare), workdir kept."""
-  base = tmp_path_factory.mktemp("convert")
-  opts = ConvertOptions(
-      calibration=str(shared_dir / "data" / "tinyshakespeare" / "input.txt"),
-      out=str(base / "bundle"), target_sparsity=0.5, device_budget_bytes=int(0.4e9),
-      max_tokens=12 * 512, chunk_len=512, ranks=(16, 32), epochs=3,
-      workdir=str(base / "work"), progress=False)
-  manifest = convert(smollm2, opts)
-  return opts, manifest
 
 
 def test_manifest(converted, smollm2, smollm2_path):

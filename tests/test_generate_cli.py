@@ -123,3 +123,43 @@ def test_generate_chat():
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "Paris" in proc.stdout
   assert "stop: eos" in proc.stderr
+
+
+def test_huge_seed_is_refused():
+  _assert_one_line_error(_run(CONFIG, "--prompt=hi", "--seed=99999999999999999999"), "seed")
+
+
+def test_config_missing_fields(tmp_path):
+  cfg = tmp_path / "cfg.py"
+  cfg.write_text("import ml_collections\n\ndef get_config():\n"
+                 "  c = ml_collections.ConfigDict()\n  c.model = 'default'\n  return c\n")
+  _assert_one_line_error(_run(f"--config={cfg}", "--prompt=hi"), "dtype")
+
+
+def test_overflowing_float_values_are_refused():
+  _assert_one_line_error(_run(CONFIG, "--prompt=hi", "--temperature=1e300"), "temperature")
+
+
+@pytest.mark.slow
+def test_closed_stdout_exits_quietly():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      f"{sys.executable} -m pijax.generate {CONFIG} --prompt='Once upon a time' "
+      "--max_new_tokens=40 | head -c 5", shell=True, cwd=ROOT, env=env, capture_output=True,
+      text=True, timeout=600)
+  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert len(proc.stdout) == 5
+
+
+@pytest.mark.slow
+def test_invalid_utf8_prompt(smollm2):
+  from pijax.errors import ContextError
+  with pytest.raises(ContextError, match="UTF-8"):
+    smollm2.generate("a\udcffb", max_new_tokens=2)
+  from pijax.errors import ConfigError
+  with pytest.raises(ConfigError):
+    smollm2.generate(b"hello", max_new_tokens=2)
+  with pytest.raises(ConfigError):
+    smollm2.generate([1.7, 504.0], max_new_tokens=2)
+  with pytest.raises(ConfigError):
+    smollm2.generate("hi", max_new_tokens=2.5)

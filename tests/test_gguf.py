@@ -144,3 +144,57 @@ def test_missing_tensor(tmp_path):
   shutil.copy(full, tmp_path / "unused.gguf")
   with pytest.raises(GGUFError, match="blk.0.ffn_up.weight"):
     load_gguf(path)
+
+
+def _tiny_with(tmp_path, name, **overrides):
+  """The tiny GGUF with some llama.* metadata replaced (written field by field)."""
+  hf = tiny_models.make_hf_llama(seed=9, layers=1)
+  full = tiny_models.write_gguf(hf, tmp_path / "base.gguf")
+  reader, _ = open_gguf(full)
+  path = tmp_path / name
+  w = gguf.GGUFWriter(str(path), "llama")
+  for key, field in reader.fields.items():
+    if key.startswith("GGUF.") or key == "general.architecture":
+      continue
+    vtype = field.types[0]
+    if key in overrides:
+      value, vtype = overrides[key]
+      w.add_key_value(key, value, vtype)
+    elif vtype == gguf.GGUFValueType.ARRAY:
+      w.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1])
+    else:
+      w.add_key_value(key, field.contents(), vtype)
+  for t in reader.tensors:
+    w.add_tensor(t.name, np.asarray(t.data).reshape([int(d) for d in reversed(t.shape)]))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return path
+
+
+U32 = gguf.GGUFValueType.UINT32
+I32 = gguf.GGUFValueType.INT32
+
+
+@pytest.mark.parametrize("key,value,vtype,needle", [
+    ("llama.attention.head_count", 0, U32, "head_count"),
+    ("llama.attention.head_count_kv", 0, U32, "head_count_kv"),
+    ("llama.embedding_length", "abc", gguf.GGUFValueType.STRING, "embedding_length"),
+    ("llama.context_length", 0, U32, "context_length"),
+    ("llama.context_length", -5, I32, "context_length"),
+    ("llama.vocab_size", 300, U32, "vocab_size"),
+])
+def test_bad_hyperparameters_are_refused(tmp_path, key, value, vtype, needle):
+  path = _tiny_with(tmp_path, "bad.gguf", **{key: (value, vtype)})
+  with pytest.raises(GGUFError, match=needle) as err:
+    load_gguf(path)
+  assert str(path) in str(err.value)
+
+
+def test_fifo_is_refused(tmp_path):
+  import os
+  path = tmp_path / "pipe.gguf"
+  os.mkfifo(path)
+  with pytest.raises(GGUFError, match="not a regular file"):
+    open_gguf(path)

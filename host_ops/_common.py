@@ -1,0 +1,244 @@
+"""Pieces shared by the host (CPU) kernels: families, activation, id lists, thread count, errors.
+
+Host kernels are numba functions over NumPy arrays. They never call JAX, so they can run inside a
+`jax.pure_callback` or in a worker thread while the device works (numba `nogil=True`).
+
+Threads: numba's `set_num_threads` is thread-local (it only affects the calling Python thread), and a
+`jax.pure_callback` runs on a thread that XLA chooses. So the wanted count is kept here, set by
+`set_host_threads(n)`, and every public host op re-applies it on its own thread before launching a
+kernel (`ensure_host_threads()`, a cheap comparison when it already holds).
+
+Concurrency: the kernels may be called from several Python threads at once with numba's "omp" or
+"tbb" threading layer (the dev machines use omp); the "workqueue" layer is not thread-safe.
+The parallel split is static (one contiguous range per thread), so a core busy with another process
+stalls the whole call: on a 2-core machine shared with other work, prefer set_host_threads(1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import llvmlite.binding
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils
+from numba.core import types
+from numba.extending import intrinsic
+
+from pijax import config as config_lib
+from pijax import errors
+
+# Family codes passed to the numba kernels (strings cannot select a branch cheaply inside them).
+FAMILY_CODES = {config_lib.FFN_SWIGLU: 0, config_lib.FFN_REGLU: 1, config_lib.FFN_DRELU: 2}
+FAMILIES = tuple(FAMILY_CODES)
+
+# silu(g) = g / (1 + exp(-g)). Below this g, exp(-g) would overflow f32 under fastmath (which
+# assumes no infinities); silu(g) there is g * exp(g) to f32 precision (|silu(-80)| ~ 1e-33).
+_SILU_FLOOR = -80.0
+
+_JIT = dict(nogil=True, fastmath=True, cache=True)
+
+# Software prefetch of the next active neuron's rows: PREFETCH_AHEAD neurons ahead in a thread's
+# range (0 = off), the first PREFETCH_BYTES of each row (and Q8 scale row). Measured on dev-2c,
+# 2 threads, rows cycled from DRAM: SmolLM2 shapes (D=576) at 90% sparsity 66 -> 49 us (Q8) and
+# 84 -> 72 us (f32) per kernel call, 50%: 148 -> 133 us (Q8); LLaMA-2-7B shapes (D=4096, rows of
+# 4-16 KB that the hardware streamer already follows) unchanged within noise with a 1 KB head, but
+# ~10% slower when whole rows were prefetched. Prefetching never changes results.
+PREFETCH_AHEAD = 1
+PREFETCH_BYTES = 1024
+_CACHE_LINE = 64
+# llvm.prefetch's name carries its pointer type: "p0" since LLVM 15 (opaque pointers), "p0i8" before.
+_PREFETCH_FN = "llvm.prefetch.p0" if llvmlite.binding.llvm_version_info[0] >= 15 else \
+    "llvm.prefetch.p0i8"
+
+_host_threads = [None]  # The count set by set_host_threads; None: numba's default (all cores).
+
+
+class HostOpError(errors.PijaxError, ValueError):
+  """A host op got inputs of the wrong shape, dtype or range (or an unregistered layer handle)."""
+
+
+def family_code(family: str) -> int:
+  """The kernels' integer code for an FFN family name ("swiglu", "reglu", "drelu")."""
+  try:
+    return FAMILY_CODES[family]
+  except KeyError:
+    raise HostOpError(f"unknown FFN family {family!r}: host ops support {', '.join(FAMILIES)} "
+                      f"(relu_mlp is not a gated FFN)") from None
+
+
+def set_host_threads(n: int) -> None:
+  """Sets how many CPU threads the host kernels use (1 <= n <= numba.config.NUMBA_NUM_THREADS).
+
+  The partial-sum split depends on this count, so results are bitwise reproducible for a fixed n
+  (and may differ in the last bits between different n).
+  """
+  limit = numba.config.NUMBA_NUM_THREADS
+  if not 1 <= int(n) <= limit:
+    raise HostOpError(f"host threads must be in [1, {limit}] (NUMBA_NUM_THREADS), got {n}")
+  _host_threads[0] = int(n)
+  numba.set_num_threads(int(n))
+
+
+def get_host_threads() -> int:
+  """The thread count host kernels use: the one set by `set_host_threads`, else all of numba's."""
+  n = _host_threads[0]
+  return numba.config.NUMBA_NUM_THREADS if n is None else n
+
+
+def ensure_host_threads() -> int:
+  """Applies the configured thread count on the calling thread; returns it."""
+  n = get_host_threads()
+  if numba.get_num_threads() != n:
+    numba.set_num_threads(n)
+  return n
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+  """Hints the CPU to load the cache line holding arr[idx] (1-D array) for reading; no effect on
+  results and no fault on any address (llvm.prefetch, read, high locality, data cache)."""
+  sig = types.void(arr, idx)
+
+  def codegen(context, builder, signature, args):
+    aryty, _ = signature.args
+    ary = context.make_array(aryty)(context, builder, args[0])
+    ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+    ptr = builder.bitcast(ptr, cgutils.voidptr_t)
+    i32 = ir.IntType(32)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32]),
+        _PREFETCH_FN)
+    builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+    return context.get_dummy_value()
+
+  return sig, codegen
+
+
+@numba.njit(inline="always", **_JIT)
+def prefetch_head(row):
+  """Prefetches the first PREFETCH_BYTES of a contiguous 1-D row (any dtype)."""
+  step = max(_CACHE_LINE // row.itemsize, 1)
+  for e in range(0, min(row.shape[0], PREFETCH_BYTES // row.itemsize), step):
+    _prefetch(row, e)
+
+
+@numba.njit(inline="always", **_JIT)
+def activation(g, u, code):
+  """act(g, u) for one neuron: g, u are f32 dot products; returns an f32 scalar.
+
+  code 0 swiglu silu(g)*u, 1 reglu relu(g)*u, 2 drelu relu(g)*relu(u). ReLU families return an
+  exact 0 for inactive neurons, which the kernels use to skip the down row.
+  """
+  if code == 0:
+    gd = np.float64(g)
+    if gd < _SILU_FLOOR:
+      s = gd * math.exp(gd)
+    else:
+      s = gd / (1.0 + math.exp(-gd))
+    return np.float32(s * np.float64(u))
+  if code == 1:
+    if g > 0:
+      return np.float32(g * u)
+    return np.float32(0.0)
+  if g > 0 and u > 0:
+    return np.float32(g * u)
+  return np.float32(0.0)
+
+
+def activation_reference(g: np.ndarray, u: np.ndarray, family: str) -> np.ndarray:
+  """act(g, u) in NumPy (any float dtype, elementwise); the references' activation."""
+  if family == config_lib.FFN_SWIGLU:
+    with np.errstate(over="ignore"):
+      return g / (1.0 + np.exp(-g)) * u
+  if family == config_lib.FFN_REGLU:
+    return np.maximum(g, 0) * u
+  if family == config_lib.FFN_DRELU:
+    return np.maximum(g, 0) * np.maximum(u, 0)
+  family_code(family)  # Raises the HostOpError.
+  raise AssertionError("unreachable")
+
+
+@numba.njit(**_JIT)
+def _compact_ids(ids):
+  """Moves each row's valid ids (>= 0) to its front, keeping their order.
+
+  ids: i32[b, k] (-1 or any negative = padding). Returns (compact: i32[b, k], counts: i32[b],
+  max_id: int; -1 when there is no valid id). Serial: O(b * k), microseconds.
+  """
+  b, k = ids.shape
+  compact = np.full((b, k), -1, dtype=np.int32)
+  counts = np.zeros(b, dtype=np.int32)
+  max_id = -1
+  for r in range(b):
+    c = 0
+    for j in range(k):
+      i = ids[r, j]
+      if i >= 0:
+        compact[r, c] = i
+        c += 1
+        if i > max_id:
+          max_id = i
+    counts[r] = c
+  return compact, counts, max_id
+
+
+def prepare_ids(ids, b: int, n: int):
+  """Validates an active-id array and compacts it for the kernels.
+
+  ids: i32[k] (shared by all b rows of x) or i32[b, k] (one padded list per row); any integer
+  dtype is accepted and converted. Negative ids are padding. Valid ids must be < n and unique
+  within a list (not checked: a repeated id is counted twice).
+
+  Returns (compact: i32[1 or b, k], counts: i32[1 or b], shared: bool).
+  """
+  ids = np.asarray(ids)
+  if ids.dtype.kind not in "iu":
+    raise HostOpError(f"ids must be an integer array, got dtype {ids.dtype}")
+  if ids.ndim == 1:
+    shared = True
+    ids2 = ids.reshape(1, -1)
+  elif ids.ndim == 2:
+    shared = False
+    if ids.shape[0] != b:
+      raise HostOpError(f"per-row ids must be [b={b}, k], got shape {ids.shape}; pass a 1-D "
+                        f"array for one shared (union) list")
+    ids2 = ids
+  else:
+    raise HostOpError(f"ids must be i32[k] (shared) or i32[b, k] (per row), got shape {ids.shape}")
+  ids2 = np.ascontiguousarray(ids2, dtype=np.int32)
+  compact, counts, max_id = _compact_ids(ids2)
+  if max_id >= n:
+    raise HostOpError(f"active id {max_id} out of range: this layer has {n} host neurons")
+  return compact, counts, shared
+
+
+def prepare_x(x, d: int):
+  """x: f32[D] or f32[b, D] -> (f32[b, D] C-contiguous, squeeze: bool). Converts other floats."""
+  x = np.asarray(x)
+  if x.ndim not in (1, 2) or x.shape[-1] != d:
+    raise HostOpError(f"x must be f32[{d}] or f32[b, {d}], got shape {x.shape}")
+  squeeze = x.ndim == 1
+  x2 = np.ascontiguousarray(x.reshape(1, d) if squeeze else x, dtype=np.float32)
+  return x2, squeeze
+
+
+def sparse_ffn_reference(rows_of, x, ids, family: str) -> np.ndarray:
+  """The float64 NumPy sparse FFN the kernels are tested against.
+
+  rows_of(act_ids: int[m]) -> (gate, up, down): f64[m, D] rows of those neurons. x: f32[b, D] or
+  f32[D]; ids: int[b, k] or int[k] (negative = padding). Returns f32[b, D] (f32[D] for 1-D x).
+  """
+  x = np.asarray(x, np.float64)
+  squeeze = x.ndim == 1
+  x2 = x.reshape(1, -1) if squeeze else x
+  ids = np.asarray(ids)
+  per_row = ids if ids.ndim == 2 else np.broadcast_to(ids, (x2.shape[0], ids.shape[0]))
+  y = np.zeros(x2.shape, np.float64)
+  for r in range(x2.shape[0]):
+    gate, up, down = rows_of(per_row[r][per_row[r] >= 0])
+    a = activation_reference(gate @ x2[r], up @ x2[r], family)
+    y[r] = a @ down
+  y = y.astype(np.float32)
+  return y[0] if squeeze else y

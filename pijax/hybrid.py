@@ -1,0 +1,261 @@
+"""Hybrid sparse FFN: hot neurons on the device, cold neurons on the host, one jitted step.
+
+Per layer and token (PowerInfer, arXiv 2312.12456 §4-5; DESIGN.md §1 "Online"):
+  1. the active set: the predictor's (logit >= cut, mode "predictor") or the true one computed
+     densely from the layer's activity threshold (mode "oracle", for correctness checks);
+  2. neurons are stored sorted by activation frequency, so the first `hot_count` are hot:
+     the device computes y_dev = sum over active hot i of act(gate_i.h, up_i.h) * down_i
+     (Pallas gather kernel on GPU for decode, the plain-jnp path on CPU);
+  3. the host computes the same over the active cold neurons, reading only their rows, in a
+     numba kernel reached by one `jax.pure_callback` per layer (only h and the index vector
+     cross it; host weights are registered once at load);
+  4. y = y_dev + y_host.
+Each token uses its own active set (prefill rows too), so every path computes the same
+function: a dense FFN with the inactive neurons zeroed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pijax import model as model_lib
+from pijax import predictor as predictor_lib
+from pijax import sparsity
+from pijax.config import ModelConfig
+from pijax.errors import ConfigError
+
+MODE_OFF = "off"
+MODE_ORACLE = "oracle"
+MODE_PREDICTOR = "predictor"
+MODES = (MODE_OFF, MODE_ORACLE, MODE_PREDICTOR)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseSpec:
+  """Static description of a hybrid run (hashable: part of the jit cache key).
+
+  Attributes:
+    mode: MODE_ORACLE or MODE_PREDICTOR.
+    hot_counts: device-resident neurons per layer (the first hot_counts[l] stored neurons).
+    host_handles: per layer, the host-op registry handle of the cold rows (-1: no cold rows).
+    ranks: per-layer predictor rank (mode predictor).
+    use_pallas: compute the hot part of decode with the Pallas kernel (GPU only).
+  """
+
+  mode: str
+  hot_counts: tuple[int, ...]
+  host_handles: tuple[int, ...]
+  ranks: tuple[int, ...] = ()
+  use_pallas: bool = False
+
+
+def _host_cold_ffn(handle: int, h: np.ndarray, ids: np.ndarray) -> np.ndarray:
+  """pure_callback target: the cold partial output for rows h: f32[N, D], ids: i32[N, C]."""
+  from host_ops import sparse_ffn as host_ffn
+  return np.asarray(host_ffn.run_layer(handle, np.asarray(h, np.float32),
+                                       np.asarray(ids, np.int32)), np.float32)
+
+
+def cold_partial(handle: int, h: jax.Array, cold_mask: jax.Array) -> jax.Array:
+  """Host partial FFN output via one pure_callback.
+
+  h: f32[N, D] normed FFN input; cold_mask: bool[N, C] active cold neurons (local ids).
+  Returns f32[N, D]. Indices are passed uncompacted (-1 where inactive): the host op skips
+  them, and no sort or compaction runs on the device.
+  """
+  n, d = h.shape
+  ids = jnp.where(cold_mask, jnp.arange(cold_mask.shape[-1], dtype=jnp.int32), -1)
+  return jax.pure_callback(functools.partial(_host_cold_ffn, handle),
+                           jax.ShapeDtypeStruct((n, d), jnp.float32),
+                           h.astype(jnp.float32), ids, vmap_method="sequential")
+
+
+class HybridFFN(nn.Module):
+  """The hybrid FFN of one layer (see the module docstring).
+
+  Params (neuron-major, rows sorted by activation frequency):
+    hot/{gate, up, down}: [n_hot, D] device-resident rows.
+    predictor/{fc1: f32[D, r], fc2: f32[r, F]} and cut: f32[] (mode predictor).
+    all/{gate, up}: [F, D] and threshold: f32[] (mode oracle: the true active set).
+  """
+
+  config: ModelConfig
+  spec: SparseSpec
+  layer: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array, h: jax.Array) -> jax.Array:
+    """x: [B, T, D] residual stream (predictor input); h: [B, T, D] normed FFN input."""
+    cfg, spec = self.config, self.spec
+    b, t, d = h.shape
+    f = cfg.intermediate_size
+    n_hot = spec.hot_counts[self.layer]
+    zeros = nn.initializers.zeros
+    if spec.mode == MODE_ORACLE:
+      gate_all = self.param("all_gate", zeros, (f, d), h.dtype)
+      up_all = self.param("all_up", zeros, (f, d), h.dtype)
+      threshold = self.param("threshold", zeros, (), jnp.float32)
+      g = jnp.einsum("BTD,FD->BTF", h, gate_all, preferred_element_type=jnp.float32)
+      u = jnp.einsum("BTD,FD->BTF", h, up_all, preferred_element_type=jnp.float32)
+      mask = sparsity.active_mask(g, u, cfg.ffn_family, threshold)  # [B, T, F]
+    elif spec.mode == MODE_PREDICTOR:
+      rank = spec.ranks[self.layer]
+      fc1 = self.param("fc1", zeros, (d, rank), jnp.float32)
+      fc2 = self.param("fc2", zeros, (rank, f), jnp.float32)
+      cut = self.param("cut", zeros, (), jnp.float32)
+      logits = predictor_lib.predictor_logits({"fc1": fc1, "fc2": fc2}, x.astype(jnp.float32))
+      mask = logits >= cut  # [B, T, F]
+    else:
+      raise ValueError(f"unknown sparse mode {spec.mode!r}")
+    self.sow("intermediates", "active_fraction", jnp.mean(mask.astype(jnp.float32)))
+    self.sow("masks", "mask", mask)  # Only kept when applied with mutable=[..., "masks"].
+
+    y = jnp.zeros((b, t, d), jnp.float32)
+    if n_hot:
+      hot_gate = self.param("hot_gate", zeros, (n_hot, d), h.dtype)
+      hot_up = self.param("hot_up", zeros, (n_hot, d), h.dtype)
+      hot_down = self.param("hot_down", zeros, (n_hot, d), h.dtype)
+      hot_mask = mask[..., :n_hot]
+      if spec.use_pallas and b * t == 1:
+        from pallas_kernels import sparse_ffn as pallas_ffn
+        size = pallas_ffn.next_pow2(n_hot)
+        idx = jnp.nonzero(hot_mask.reshape(-1), size=size, fill_value=-1)[0].astype(jnp.int32)
+        y = y + pallas_ffn.sparse_ffn(h.reshape(1, d), hot_gate, hot_up, hot_down, idx,
+                                      family=cfg.ffn_family).reshape(b, t, d)
+      else:
+        g = jnp.einsum("BTD,ND->BTN", h, hot_gate, preferred_element_type=jnp.float32)
+        u = jnp.einsum("BTD,ND->BTN", h, hot_up, preferred_element_type=jnp.float32)
+        a = model_lib.ffn_activation(g, u, cfg.ffn_family) * hot_mask
+        y = y + jnp.einsum("BTN,ND->BTD", a.astype(h.dtype), hot_down,
+                           preferred_element_type=jnp.float32)
+    if n_hot < f:
+      y_host = cold_partial(spec.host_handles[self.layer], h.reshape(b * t, d),
+                            mask[..., n_hot:].reshape(b * t, f - n_hot))
+      y = y + y_host.reshape(b, t, d)
+    return y.astype(h.dtype)
+
+
+def forward(params: Any, cache: model_lib.KVCache, tokens: jax.Array, pos: jax.Array, *,
+            config: ModelConfig, kv_len: int, sparse: SparseSpec,
+            logits_index: jax.Array | None = None
+            ) -> tuple[jax.Array, model_lib.KVCache, jax.Array]:
+  """Hybrid forward pass; returns (logits, cache, active_fraction f32[L]).
+
+  active_fraction[l] is the fraction of layer l's FFN neurons active, averaged over tokens
+  (measured FFN sparsity = 1 - its mean).
+  """
+  (logits, cache), state = model_lib.Transformer(config, kv_len, sparse).apply(
+      {"params": params}, tokens, pos, cache, logits_index, mutable=["intermediates"])
+  inter = state["intermediates"]
+  active = jnp.stack([inter[f"layers_{i}"]["ffn"]["active_fraction"][0]
+                      for i in range(config.n_layers)])
+  return logits, cache, active
+
+
+def forward_with_masks(params: Any, tokens: jax.Array, *, config: ModelConfig,
+                       sparse: SparseSpec) -> tuple[jax.Array, jax.Array]:
+  """Logits f32[B, T, V] of a fresh sequence and the active masks bool[L, B, T, F] used.
+
+  For checking a hybrid run against an independent dense run that zeroes the same neurons.
+  """
+  b, t = tokens.shape
+  cache = model_lib.init_cache(config, b, t)
+  (logits, _), state = model_lib.Transformer(config, t, sparse).apply(
+      {"params": params}, tokens, jnp.zeros((), jnp.int32), cache, None,
+      mutable=["intermediates", "masks"])
+  masks = jnp.stack([state["masks"][f"layers_{i}"]["ffn"]["mask"][0]
+                     for i in range(config.n_layers)])
+  return logits, masks
+
+
+def hybrid_prefill(params, cache, tokens, length, *, config, kv_len, sparse, pos=0,
+                   all_logits=False):
+  """`pijax.model.prefill` with the hybrid FFN; also returns active_fraction f32[L]."""
+  index = None if all_logits else jnp.asarray(length, jnp.int32) - 1
+  return forward(params, cache, tokens, jnp.asarray(pos, jnp.int32), config=config,
+                 kv_len=kv_len, sparse=sparse, logits_index=index)
+
+
+def hybrid_decode_step(params, cache, tokens, pos, *, config, kv_len, sparse):
+  """`pijax.model.decode_step` with the hybrid FFN; also returns active_fraction f32[L]."""
+  return forward(params, cache, tokens[:, None], pos, config=config, kv_len=kv_len,
+                 sparse=sparse, logits_index=jnp.zeros((), jnp.int32))
+
+
+def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
+                 oracle_threshold: float | None = None, use_pallas: bool | None = None
+                 ) -> tuple[SparseSpec, dict[str, Any]]:
+  """Device params and host registrations for a bundle-loaded model.
+
+  Args:
+    model: engine Model with `.sparse` (a loaded bundle).
+    mode: MODE_ORACLE or MODE_PREDICTOR.
+    hot_counts: per-layer hot neurons (default: the bundle's placement).
+    oracle_threshold: replaces every layer's contribution threshold in oracle mode (0 = every
+      neuron active), for checking the split and merge.
+    use_pallas: Pallas for the hot part of decode (default: when the backend is GPU).
+
+  Returns:
+    (spec, params): params is the model's param tree with each layer's "ffn" replaced by the
+    HybridFFN params. The cold rows are registered with host_ops (handles in spec).
+
+  Raises:
+    ConfigError: not a bundle, bad mode or hot counts.
+  """
+  from host_ops import sparse_ffn as host_ffn
+  if model.sparse is None:
+    raise ConfigError(f"{model.path}: --sparse={mode} needs a bundle made by pijax.convert; "
+                      "this is a plain GGUF (run with --sparse=off or convert it).")
+  if mode not in (MODE_ORACLE, MODE_PREDICTOR):
+    raise ConfigError(f"--sparse={mode!r} must be one of {', '.join(MODES)}.")
+  cfg = model.config
+  f = cfg.intermediate_size
+  hot = list(model.sparse.hot_counts if hot_counts is None else hot_counts)
+  if len(hot) != cfg.n_layers or any(not 0 <= int(n) <= f for n in hot):
+    raise ConfigError(f"hot counts must be {cfg.n_layers} values in [0, {f}], got {hot}.")
+  if use_pallas is None:
+    use_pallas = jax.default_backend() == "gpu"
+  dtype = model.dtype
+  params = dict(model.params)
+  handles = []
+  for i in range(cfg.n_layers):
+    rows = model.sparse.ffn[f"layers_{i}"]
+    n_hot = int(hot[i])
+    ffn: dict[str, Any] = {}
+    if n_hot:
+      ffn["hot_gate"] = jnp.asarray(rows["gate"][:n_hot], dtype)
+      ffn["hot_up"] = jnp.asarray(rows["up"][:n_hot], dtype)
+      ffn["hot_down"] = jnp.asarray(rows["down"][:n_hot], dtype)
+    if mode == MODE_ORACLE:
+      ffn["all_gate"] = jnp.asarray(rows["gate"], dtype)
+      ffn["all_up"] = jnp.asarray(rows["up"], dtype)
+      t = model.sparse.thresholds[i] if oracle_threshold is None else oracle_threshold
+      ffn["threshold"] = jnp.asarray(t, jnp.float32)
+    else:
+      pred = model.sparse.predictors[f"layers_{i}"]
+      ffn["fc1"] = jnp.asarray(pred["fc1"], jnp.float32)
+      ffn["fc2"] = jnp.asarray(pred["fc2"], jnp.float32)
+      ffn["cut"] = jnp.asarray(model.sparse.cuts[i], jnp.float32)
+    if n_hot < f:
+      weights = host_ffn.HostFFNWeights(
+          np.ascontiguousarray(rows["gate"][n_hot:], np.float32),
+          np.ascontiguousarray(rows["up"][n_hot:], np.float32),
+          np.ascontiguousarray(rows["down"][n_hot:], np.float32), cfg.ffn_family)
+      handles.append(host_ffn.register_layer((id(model.sparse), i), weights))
+    else:
+      handles.append(-1)
+    layer = dict(params[f"layers_{i}"])
+    layer["ffn"] = ffn
+    params[f"layers_{i}"] = layer
+  ranks = tuple(int(model.sparse.predictors[f"layers_{i}"]["fc1"].shape[1])
+                for i in range(cfg.n_layers))
+  spec = SparseSpec(mode=mode, hot_counts=tuple(int(n) for n in hot),
+                    host_handles=tuple(handles), ranks=ranks, use_pallas=bool(use_pallas))
+  return spec, params

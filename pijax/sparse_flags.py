@@ -1,0 +1,39 @@
+"""absl flags for hybrid sparse execution, shared by generate, perplexity and bench."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from absl import flags
+
+SPARSE = flags.DEFINE_enum("sparse", None, ["off", "oracle", "predictor"],
+                           "FFN execution: off = dense; oracle = true active sets computed "
+                           "densely (correctness); predictor = the predictors (the real thing).")
+HOT_RATIO = flags.DEFINE_float("hot_ratio", None, "Re-place at load: this fraction of each "
+                               "layer's neurons is device-resident (overrides the bundle).")
+DEVICE_BUDGET_GB = flags.DEFINE_float("device_budget_gb", None,
+                                      "Re-place at load for this device budget (GB = 1e9 B).")
+HOST_THREADS = flags.DEFINE_integer("host_threads", None, "numba threads for cold neurons.")
+ORACLE_THRESHOLD = flags.DEFINE_float("oracle_threshold", None, "Oracle mode: replace every "
+                                      "layer's contribution threshold (0 = every neuron active).")
+
+
+def configure(model, cfg: Any = None) -> None:
+  """Applies the flags (falling back to the config's fields) to a loaded model.
+
+  Raises:
+    ConfigError, BudgetError: see `pijax.engine.Model.configure_sparse`.
+  """
+  get = (lambda name: None) if cfg is None else (lambda name: cfg.get(name, None))
+
+  def pick(flag, name):
+    return flag.value if flag.value is not None else get(name)
+
+  mode = pick(SPARSE, "sparse") or "off"
+  hot_ratio = pick(HOT_RATIO, "hot_ratio")
+  budget = pick(DEVICE_BUDGET_GB, "device_budget_gb")
+  threads = pick(HOST_THREADS, "host_threads")
+  if mode == "off" and model.sparse is None:
+    return  # A plain GGUF runs dense; placement flags mean nothing there.
+  model.configure_sparse(mode, hot_ratio=hot_ratio, device_budget_gb=budget,
+                         host_threads=threads, oracle_threshold=ORACLE_THRESHOLD.value)

@@ -1,0 +1,246 @@
+"""Host ops (numba) against their NumPy references: sparse FFN f32 and Q8, Q8 format, gemv, registry."""
+
+import zlib
+
+import numba
+import numpy as np
+import pytest
+
+from host_ops import quant
+from host_ops import sparse_ffn as sf
+from host_ops._common import HostOpError
+
+FAMILIES = ("swiglu", "reglu", "drelu")
+N, D = 200, 96  # Host neurons, hidden size (a multiple of 32 for Q8).
+THREADS = min(2, numba.config.NUMBA_NUM_THREADS)
+# f32 accumulation of terms that partly cancel: relative to the largest output, not per element.
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+  sf.set_host_threads(THREADS)
+
+
+def _rows(rng, n=N, d=D):
+  """Random f32[n, D] rows, never zero (|w| >= 0.01), scaled so dots are O(1)."""
+  w = rng.standard_normal((n, d)) / np.sqrt(d)
+  w = np.where(np.abs(w) < 0.01, 0.01, w)
+  return np.ascontiguousarray(w, np.float32)
+
+
+@pytest.fixture(scope="module")
+def layer():
+  rng = np.random.default_rng(0)
+  return _rows(rng), _rows(rng), _rows(rng)
+
+
+def _x(rng, b):
+  return (rng.standard_normal((b, D)) + 0.1).astype(np.float32)
+
+
+def _ids(rng, case, b, shared):
+  """Active ids for a case: shared i32[k], or per-row i32[b, k] padded with -1 in random places."""
+  size = {"empty": 0, "single": 1, "small": 7, "half": N // 2, "most": N - 13, "full": N}[case]
+  if shared:
+    return rng.permutation(N)[:size].astype(np.int32)
+  pad = 5
+  ids = np.full((b, size + pad), -1, np.int32)
+  for r in range(b):
+    slots = np.sort(rng.permutation(size + pad)[:size])  # Padding interleaved, not only at the end.
+    ids[r, slots] = rng.permutation(N)[:size]
+  return ids
+
+
+def _assert_close(y, ref):
+  assert y.dtype == np.float32 and y.shape == ref.shape
+  scale = max(float(np.abs(ref).max()), 1e-30)
+  np.testing.assert_allclose(y, ref, rtol=RTOL, atol=RTOL * scale)
+
+
+CASES = ("empty", "single", "small", "half", "most", "full")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("b", (1, 4))
+@pytest.mark.parametrize("shared", (True, False), ids=("shared", "per_row"))
+def test_sparse_ffn_f32_matches_reference(layer, family, b, shared):
+  rng = np.random.default_rng(zlib.crc32(repr((family, b, shared)).encode()))
+  for case in CASES:
+    x = _x(rng, b)
+    ids = _ids(rng, case, b, shared)
+    y = sf.sparse_ffn_host(*layer, x, ids, family)
+    ref = sf.sparse_ffn_host_reference(*layer, x, ids, family)
+    if case == "empty":
+      assert not y.any()
+    elif case in ("half", "most", "full"):  # A few ReLU-family neurons may all be inactive.
+      assert np.abs(ref).max() > 0.01, case
+    _assert_close(y, ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("b", (1, 4))
+@pytest.mark.parametrize("shared", (True, False), ids=("shared", "per_row"))
+def test_sparse_ffn_q8_matches_reference(layer, family, b, shared):
+  rng = np.random.default_rng(zlib.crc32(repr((family, b, shared, "q8")).encode()))
+  mats = [quant.quantize_q8(m) for m in layer]
+  for case in CASES:
+    x = _x(rng, b)
+    ids = _ids(rng, case, b, shared)
+    y = quant.sparse_ffn_host_q8(*mats, x, ids, family)
+    ref = quant.sparse_ffn_host_q8_reference(*mats, x, ids, family)
+    if case == "empty":
+      assert not y.any()
+    _assert_close(y, ref)
+
+
+def test_one_dim_x_and_shared_equals_per_row(layer):
+  rng = np.random.default_rng(1)
+  x = _x(rng, 3)
+  ids = rng.permutation(N)[:60].astype(np.int32)
+  shared = sf.sparse_ffn_host(*layer, x, ids, "swiglu")
+  per_row = sf.sparse_ffn_host(*layer, x, np.tile(ids, (3, 1)), "swiglu")
+  np.testing.assert_array_equal(shared, per_row)  # Same ranges per thread: bitwise.
+  one = sf.sparse_ffn_host(*layer, x[1], ids, "swiglu")
+  assert one.shape == (D,)
+  np.testing.assert_array_equal(one, shared[1])
+
+
+def test_padding_ids_ignored(layer):
+  rng = np.random.default_rng(2)
+  x = _x(rng, 2)
+  ids = np.stack([rng.permutation(N)[:40] for _ in range(2)]).astype(np.int32)
+  padded = np.full((2, 70), -1, np.int32)
+  padded[:, 5:45] = ids
+  padded[0, 60] = -7  # Any negative id is padding.
+  for family in FAMILIES:
+    np.testing.assert_array_equal(sf.sparse_ffn_host(*layer, x, padded, family),
+                                  sf.sparse_ffn_host(*layer, x, ids, family))
+  all_pad = np.full(9, -1, np.int32)
+  assert not sf.sparse_ffn_host(*layer, x, all_pad, "swiglu").any()
+
+
+def test_deterministic_with_two_threads():
+  rng = np.random.default_rng(3)
+  n, d = 1500, 256
+  g, u, dn = _rows(rng, n, d), _rows(rng, n, d), _rows(rng, n, d)
+  w32 = sf.HostFFNWeights(g, u, dn, "swiglu")
+  w8 = sf.HostFFNWeights(g, u, dn, "swiglu", weight_format="q8")
+  x = (rng.standard_normal((4, d))).astype(np.float32)
+  shared = rng.permutation(n)[:1200].astype(np.int32)
+  per_row = np.stack([rng.permutation(n)[:900] for _ in range(4)]).astype(np.int32)
+  for w in (w32, w8):
+    for ids in (shared, per_row):
+      first = w(x, ids)
+      for _ in range(9):
+        np.testing.assert_array_equal(w(x, ids), first)
+      _assert_close(first, w.reference(x, ids))
+
+
+def test_quantize_q8_error_bound(layer):
+  rng = np.random.default_rng(4)
+  rows = np.concatenate([layer[0], 50 * _rows(rng, 10)])  # Two magnitudes of rows.
+  q, scales = quant.quantize_q8(rows)
+  assert q.dtype == np.int8 and q.shape == rows.shape
+  assert scales.dtype == np.float32 and scales.shape == (rows.shape[0], D // 32)
+  assert np.abs(q).max() == 127 and q.min() >= -127
+  deq = quant.dequantize_q8(q, scales)
+  err = np.abs(deq.astype(np.float64) - rows).reshape(rows.shape[0], -1, 32).max(axis=2)
+  # Round to nearest: <= scale / 2, plus the f32 rounding of q * scale (<= 127 * scale * 2^-24).
+  assert (err <= scales * (0.5 + 1e-5)).all()
+  assert (scales > 0).all()
+
+
+def test_quantize_q8_zero_block_and_bad_width():
+  rows = np.ones((2, 64), np.float32)
+  rows[1, 32:] = 0.0
+  q, scales = quant.quantize_q8(rows)
+  assert scales[1, 1] == 0 and not q[1, 32:].any()
+  np.testing.assert_array_equal(quant.dequantize_q8(q, scales), rows)
+  with pytest.raises(HostOpError, match="multiple of 32"):
+    quant.quantize_q8(np.ones((2, 48), np.float32))
+  with pytest.raises(HostOpError, match="NaN"):
+    quant.quantize_q8(np.full((1, 32), np.nan, np.float32))
+
+
+def test_gemv_q8_matches_reference():
+  rng = np.random.default_rng(5)
+  q, scales = quant.quantize_q8(_rows(rng, 333, 160))
+  x = rng.standard_normal((3, 160)).astype(np.float32)
+  _assert_close(quant.gemv_q8(q, scales, x), quant.gemv_q8_reference(q, scales, x))
+  y1 = quant.gemv_q8(q, scales, x[0])
+  assert y1.shape == (333,)
+  _assert_close(y1, quant.gemv_q8_reference(q, scales, x[0]))
+
+
+def test_registry_round_trip(layer):
+  rng = np.random.default_rng(6)
+  w = sf.HostFFNWeights(*layer, "reglu")
+  w8 = sf.HostFFNWeights(*layer, "reglu", weight_format="q8")
+  h = sf.register_layer(("test_host_ops", 0), w)
+  assert isinstance(h, int) and sf.get_layer(h) is w
+  x = _x(rng, 2)
+  ids = rng.permutation(N)[:50].astype(np.int32)
+  np.testing.assert_array_equal(sf.run_layer(h, x, ids), w(x, ids))
+  assert sf.register_layer(("test_host_ops", 0), w8) == h  # Same id: replaced, same handle.
+  np.testing.assert_array_equal(sf.run_layer(h, x, ids), w8(x, ids))
+  h2 = sf.register_layer(w)  # Anonymous: a fresh handle.
+  assert h2 != h and sf.get_layer(h2) is w
+  sf.unregister_layer(("test_host_ops", 0))
+  with pytest.raises(HostOpError, match="register_layer"):
+    sf.run_layer(h, x, ids)
+  with pytest.raises(HostOpError):
+    sf.run_layer(10**6, x, ids)
+  q8 = sf.HostFFNWeights.from_q8(w8.gate, w8.up, w8.down, "reglu")
+  np.testing.assert_array_equal(q8(x, ids), w8(x, ids))
+  assert w8.nbytes == 3 * N * (D + 4 * D // 32)
+  assert w.bytes_per_neuron == 3 * 4 * D
+
+
+def test_callback_inside_jit(layer):
+  import jax
+  import jax.numpy as jnp
+  from host_ops import callback
+  w = sf.HostFFNWeights(*layer, "drelu")
+  h = sf.register_layer(("test_host_ops", "callback"), w)
+  rng = np.random.default_rng(7)
+  x = _x(rng, 3)
+  ids = np.where(rng.random((3, N)) < 0.3, np.arange(N), -1).astype(np.int32)
+  f = jax.jit(lambda x, ids: callback.host_sparse_ffn(h, x, ids) * 1.0)
+  np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x), jnp.asarray(ids))), w(x, ids))
+
+
+def test_bad_inputs_raise(layer):
+  x = np.ones((2, D), np.float32)
+  with pytest.raises(HostOpError, match="out of range"):
+    sf.sparse_ffn_host(*layer, x, np.array([0, N], np.int32), "swiglu")
+  with pytest.raises(HostOpError, match="per-row ids"):
+    sf.sparse_ffn_host(*layer, x, np.zeros((3, 4), np.int32), "swiglu")
+  with pytest.raises(HostOpError, match="family"):
+    sf.sparse_ffn_host(*layer, x, np.zeros(1, np.int32), "gelu")
+  with pytest.raises(HostOpError, match="x must be"):
+    sf.sparse_ffn_host(*layer, np.ones((2, D + 1), np.float32), np.zeros(1, np.int32), "swiglu")
+  with pytest.raises(HostOpError, match="integer"):
+    sf.sparse_ffn_host(*layer, x, np.zeros(1, np.float32), "swiglu")
+  with pytest.raises(HostOpError, match="host threads"):
+    sf.set_host_threads(0)
+
+
+def test_prefetch_and_thread_count_do_not_change_math(layer, monkeypatch):
+  from host_ops import _common
+  rng = np.random.default_rng(8)
+  x = _x(rng, 4)
+  ids = rng.permutation(N)[:150].astype(np.int32)
+  w8 = sf.HostFFNWeights(*layer, "swiglu", weight_format="q8")
+  ref32, ref8 = sf.sparse_ffn_host(*layer, x, ids, "swiglu"), w8(x, ids)
+  monkeypatch.setattr(_common, "PREFETCH_AHEAD", 0)  # Prefetch off: bitwise the same.
+  np.testing.assert_array_equal(sf.sparse_ffn_host(*layer, x, ids, "swiglu"), ref32)
+  np.testing.assert_array_equal(w8(x, ids), ref8)
+  monkeypatch.setattr(_common, "PREFETCH_AHEAD", 3)
+  np.testing.assert_array_equal(w8(x, ids), ref8)
+  sf.set_host_threads(1)  # Another split: same result to rounding.
+  try:
+    _assert_close(sf.sparse_ffn_host(*layer, x, ids, "swiglu"), ref32)
+    _assert_close(w8(x, ids), ref8)
+  finally:
+    sf.set_host_threads(THREADS)

@@ -1,0 +1,111 @@
+"""Hybrid sparse execution on the real SmolLM2 bundle: split/merge exactness, oracle, predictor."""
+
+import numpy as np
+import pytest
+
+import pijax
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The old lighthouse keeper climbed the stairs every evening to light the lamp."
+
+
+@pytest.fixture(scope="module")
+def bundle_model(converted):
+  opts, _ = converted
+  return pijax.load(opts.out)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(bundle_model):
+  return bundle_model.tokenizer.encode(PROMPT)
+
+
+def _rel(a, b):
+  return np.abs(a - b).max() / np.abs(b).max()
+
+
+@pytest.mark.parametrize("hot_ratio", [0.0, 0.3, 1.0])
+def test_oracle_threshold_zero_equals_dense(bundle_model, prompt_ids, hot_ratio):
+  """Every neuron active: the device/host split and merge reproduce the dense logits."""
+  bundle_model.configure_sparse("off")
+  dense = bundle_model.prompt_logits(prompt_ids)
+  dense_gen = bundle_model.generate(prompt_ids, max_new_tokens=6).token_ids
+  bundle_model.configure_sparse("oracle", hot_ratio=hot_ratio, oracle_threshold=0.0)
+  assert bundle_model.sparse_spec.hot_counts[0] == min(1536, round(hot_ratio * 1536 / 64) * 64)
+  logits, active = bundle_model.prompt_logits(prompt_ids, return_active=True)
+  assert _rel(logits, dense) <= 1e-5
+  np.testing.assert_allclose(active, 1.0)
+  result = bundle_model.generate(prompt_ids, max_new_tokens=6)
+  assert result.token_ids == dense_gen  # Decode path too (one callback per layer).
+  assert result.stats.ffn_sparsity == 0.0
+  bundle_model.configure_sparse("off")
+
+
+def _masked_dense_oracle(hf_model, masks, perm, ids):
+  """transformers' Llama whose MLP in layer l zeroes the neurons that masks[l] marks inactive.
+
+  masks: bool[L, T, F] in the bundle's (permuted) neuron order; perm[l, j] is the original
+  index of stored neuron j.
+  """
+  import torch
+  patched = []
+  for i, layer in enumerate(hf_model.model.layers):
+    mlp = layer.mlp
+    keep = np.zeros(masks.shape[1:], np.float32)
+    keep[:, perm[i]] = masks[i]
+    keep = torch.tensor(keep)[None]  # [1, T, F] in original order.
+
+    def forward(x, mlp=mlp, keep=keep):
+      a = torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)
+      return mlp.down_proj(a * keep)
+
+    patched.append((mlp, mlp.forward))
+    mlp.forward = forward
+  try:
+    with torch.no_grad():
+      return hf_model(torch.tensor([ids])).logits[0].float().numpy()
+  finally:
+    for mlp, original in patched:
+      mlp.forward = original
+
+
+@pytest.mark.parametrize("hot_ratio", [1.0, 0.3, 0.0])
+def test_oracle_equals_dense_with_same_neurons_zeroed(bundle_model, prompt_ids, hf_model,
+                                                      hot_ratio):
+  """Real thresholds: the hybrid run equals transformers' dense run zeroing the same neurons.
+
+  (Runs with different splits are not compared with each other: float rounding moves neurons
+  across the threshold, and each flip legitimately changes the function.)
+  """
+  import jax
+  import jax.numpy as jnp
+  from pijax import hybrid
+  bundle_model.configure_sparse("oracle", hot_ratio=hot_ratio)
+  run = jax.jit(lambda p, t: hybrid.forward_with_masks(p, t, config=bundle_model.config,
+                                                       sparse=bundle_model.sparse_spec))
+  logits, masks = run(bundle_model._hybrid_params, jnp.asarray([prompt_ids], jnp.int32))
+  bundle_model.configure_sparse("off")
+  logits, masks = np.asarray(logits[0]), np.asarray(masks[:, 0])
+  assert 0.3 < 1.0 - masks.mean() < 0.7  # Target sparsity 0.5 on calibration text.
+  ref = _masked_dense_oracle(hf_model, masks, bundle_model.sparse.perm, prompt_ids)
+  assert (logits.argmax(-1) == ref.argmax(-1)).all()
+  assert _rel(logits, ref) <= 1e-4
+
+
+def test_predictor_mode_generates(bundle_model):
+  bundle_model.configure_sparse("predictor", hot_ratio=0.3, host_threads=2)
+  result = bundle_model.generate("The capital of France is", max_new_tokens=16)
+  assert result.stats.decode_steps == len(result.token_ids) - 1
+  assert 0.0 < result.stats.ffn_sparsity < 1.0
+  assert bundle_model.compile_count("decode") == 1
+  assert result.text.strip()
+  bundle_model.configure_sparse("off")
+
+
+def test_sparse_mode_needs_a_bundle(smollm2):
+  from pijax.errors import ConfigError
+  with pytest.raises(ConfigError, match="bundle"):
+    smollm2.configure_sparse("predictor")
+  with pytest.raises(ConfigError):
+    smollm2.configure_sparse("sometimes")
