@@ -190,7 +190,8 @@ def hybrid_decode_step(params, cache, tokens, pos, *, config, kv_len, sparse):
 
 
 def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
-                 oracle_threshold: float | None = None, use_pallas: bool | None = None
+                 oracle_threshold: float | None = None, use_pallas: bool | None = None,
+                 threshold_scale: float = 1.0, cut_offset: float = 0.0
                  ) -> tuple[SparseSpec, dict[str, Any]]:
   """Device params and host registrations for a bundle-loaded model.
 
@@ -200,6 +201,9 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
     hot_counts: per-layer hot neurons (default: the bundle's placement).
     oracle_threshold: replaces every layer's contribution threshold in oracle mode (0 = every
       neuron active), for checking the split and merge.
+    threshold_scale: multiplies every layer's contribution threshold (oracle mode): > 1 skips
+      more neurons. For sparsity-perplexity curves.
+    cut_offset: added to every predictor logit cut (predictor mode): > 0 skips more neurons.
     use_pallas: Pallas for the hot part of decode (default: when the backend is GPU).
 
   Returns:
@@ -236,13 +240,14 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
     if mode == MODE_ORACLE:
       ffn["all_gate"] = jnp.asarray(rows["gate"], dtype)
       ffn["all_up"] = jnp.asarray(rows["up"], dtype)
-      t = model.sparse.thresholds[i] if oracle_threshold is None else oracle_threshold
+      t = (model.sparse.thresholds[i] * threshold_scale if oracle_threshold is None
+           else oracle_threshold)
       ffn["threshold"] = jnp.asarray(t, jnp.float32)
     else:
       pred = model.sparse.predictors[f"layers_{i}"]
       ffn["fc1"] = jnp.asarray(pred["fc1"], jnp.float32)
       ffn["fc2"] = jnp.asarray(pred["fc2"], jnp.float32)
-      ffn["cut"] = jnp.asarray(model.sparse.cuts[i], jnp.float32)
+      ffn["cut"] = jnp.asarray(model.sparse.cuts[i] + cut_offset, jnp.float32)
     if n_hot < f:
       weights = host_ffn.HostFFNWeights(
           np.ascontiguousarray(rows["gate"][n_hot:], np.float32),

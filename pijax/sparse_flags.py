@@ -17,6 +17,11 @@ HOST_THREADS = flags.DEFINE_integer("host_threads", None, "numba threads for col
 ORACLE_THRESHOLD = flags.DEFINE_float("oracle_threshold", None, "Oracle mode: replace every "
                                       "layer's contribution threshold (0 = every neuron active).")
 
+THRESHOLD_SCALE = flags.DEFINE_float("threshold_scale", 1.0, "Oracle mode: multiply every "
+                                     "layer's contribution threshold (sparsity-perplexity curves).")
+CUT_OFFSET = flags.DEFINE_float("cut_offset", 0.0, "Predictor mode: add to every logit cut "
+                                "(> 0 skips more neurons).")
+
 
 def configure(model, cfg: Any = None) -> None:
   """Applies the flags (falling back to the config's fields) to a loaded model.
@@ -36,4 +41,5 @@ def configure(model, cfg: Any = None) -> None:
   if mode == "off" and model.sparse is None:
     return  # A plain GGUF runs dense; placement flags mean nothing there.
   model.configure_sparse(mode, hot_ratio=hot_ratio, device_budget_gb=budget,
-                         host_threads=threads, oracle_threshold=ORACLE_THRESHOLD.value)
+                         host_threads=threads, oracle_threshold=ORACLE_THRESHOLD.value,
+                         threshold_scale=THRESHOLD_SCALE.value, cut_offset=CUT_OFFSET.value)

@@ -1,0 +1,219 @@
+"""`python -m pijax.bench`: llama-bench's figures (pp512, tg128) for pijax.
+
+  python -m pijax.bench -m default -p 512 -n 128 -r 5
+  python -m pijax.bench -m bundles/smollm2_135m --sparse=predictor --hot_ratio=0 -o json
+
+pp<P>: prefill of P random token ids into an empty KV cache (one forward pass; tokenization and
+sampling excluded). tg<N>: N single-token decode steps after a 1-token prompt (greedy sampling is
+fused into the step, as in generation). Each test runs once as a warm-up (compilation happens
+there and is reported separately), then -r times; t/s is reported as mean +- sd over the runs.
+Also printed: bytes of weights read per generated token (dense: every weight once; sparse: the
+attention, head, predictors, the hot rows and the measured share of cold rows) and the implied
+GB/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pijax import engine as engine_lib
+from pijax import sampling as sampling_lib
+from pijax.errors import ConfigError
+
+
+@dataclasses.dataclass
+class BenchResult:
+  """One test: name ("pp512"/"tg128"), tokens/s per repetition, compile seconds."""
+
+  test: str
+  tokens_per_s: list[float]
+  compile_s: float
+  ffn_sparsity: float = 0.0
+
+  @property
+  def mean(self) -> float:
+    return statistics.fmean(self.tokens_per_s)
+
+  @property
+  def sd(self) -> float:
+    return statistics.stdev(self.tokens_per_s) if len(self.tokens_per_s) > 1 else 0.0
+
+
+def _compiled(model, kind, fn, kv_len, args):
+  before = model.compile_s
+  exe = model._compiled_fn(kind, fn, {"kv_len": kv_len}, args, (1,))
+  return exe, model.compile_s - before
+
+
+def bench_prefill(model, n_prompt: int, reps: int, seed: int = 0) -> BenchResult:
+  """pp<n_prompt>: tokens/s of one prefill over n_prompt random ids, mean over reps."""
+  if not 1 <= n_prompt <= model.max_seq_len:
+    raise ConfigError(f"-p {n_prompt} must be in [1, max_seq_len={model.max_seq_len}].")
+  rng = np.random.default_rng(seed)
+  tokens = jnp.asarray(rng.integers(0, model.config.vocab_size, (1, n_prompt)), jnp.int32)
+  kv_len = model._kv_bucket(n_prompt)
+  sparams = sampling_lib.make_sampling_params()
+  recent = jnp.full((1, 1), -1, jnp.int32)
+  key = jax.random.PRNGKey(seed)
+
+  def args():
+    return (model._run_params, model.new_cache(1), tokens, jnp.asarray(n_prompt, jnp.int32),
+            jnp.asarray(0, jnp.int32), key, sparams, recent)
+
+  exe, compile_s = _compiled(model, "prefill", engine_lib._prefill_sample, kv_len, args())
+  rates, active = [], []
+  for rep in range(reps + 1):
+    a = args()
+    jax.block_until_ready(a[1])
+    t0 = time.perf_counter()
+    out = exe(*a)
+    jax.block_until_ready(out)
+    if rep:  # Repetition 0 is the warm-up.
+      rates.append(n_prompt / (time.perf_counter() - t0))
+      active.append(float(np.mean(np.asarray(out[3]))))
+  return BenchResult(f"pp{n_prompt}", rates, compile_s, 1.0 - float(np.mean(active)))
+
+
+def bench_decode(model, n_gen: int, reps: int, seed: int = 0) -> BenchResult:
+  """tg<n_gen>: tokens/s of n_gen decode steps after a 1-token prompt, mean over reps."""
+  if not 1 <= n_gen < model.max_seq_len:
+    raise ConfigError(f"-n {n_gen} must be in [1, max_seq_len={model.max_seq_len}).")
+  kv_len = model._kv_bucket(n_gen + 1)
+  sparams = sampling_lib.make_sampling_params()
+  recent = jnp.full((1, 1), -1, jnp.int32)
+  first = jnp.asarray([model.tokenizer.bos_id or 0], jnp.int32)
+  args0 = (model._run_params, model.new_cache(1), first, jnp.asarray(0, jnp.int32),
+           jax.random.PRNGKey(seed), sparams, recent)
+  exe, compile_s = _compiled(model, "decode", engine_lib._decode_sample, kv_len, args0)
+  rates, active = [], []
+  for rep in range(reps + 1):
+    cache, token, key = model.new_cache(1), first, jax.random.PRNGKey(seed)
+    steps = []
+    t0 = time.perf_counter()
+    for pos in range(n_gen):
+      token, cache, key, act = exe(model._run_params, cache, token, jnp.asarray(pos, jnp.int32),
+                                   key, sparams, recent)
+      steps.append(act)
+    jax.block_until_ready(token)
+    if rep:
+      rates.append(n_gen / (time.perf_counter() - t0))
+      active.append(float(np.mean(np.asarray(jnp.stack(steps)))))
+  return BenchResult(f"tg{n_gen}", rates, compile_s, 1.0 - float(np.mean(active)))
+
+
+def weight_bytes_per_token(model, ffn_sparsity: float) -> tuple[int, int]:
+  """(bytes read per decoded token, dense bytes per token) of weights, compute dtype.
+
+  Dense: every weight once (the tied head reads the embedding matrix). Sparse: everything but
+  the FFN, plus predictors (f32), plus all hot rows (the CPU path reads every hot row; the GPU
+  kernel only active ones) and the active share of the cold rows.
+  """
+  cfg = model.config
+  item = model.dtype.itemsize
+  total = cfg.n_params() * item
+  ffn = 3 * cfg.hidden_size * cfg.intermediate_size * cfg.n_layers * item
+  if model.sparse_spec is None:
+    return total, total
+  spec = model.sparse_spec
+  neuron = 3 * cfg.hidden_size * item
+  hot = sum(spec.hot_counts) * neuron
+  cold = sum(cfg.intermediate_size - n for n in spec.hot_counts) * neuron
+  pred = 0
+  if spec.mode == "predictor":
+    pred = sum(4 * r * (cfg.hidden_size + cfg.intermediate_size) for r in spec.ranks)
+  elif spec.mode == "oracle":
+    pred = 2 * cfg.hidden_size * cfg.intermediate_size * cfg.n_layers * item
+  # Cold rows read: the active share (approximating the cold share by the overall one).
+  return int(total - ffn + hot + (1.0 - ffn_sparsity) * cold + pred), total
+
+
+def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int) -> list[dict[str, Any]]:
+  rows = []
+  tests = []
+  if n_prompt:
+    tests.append(bench_prefill(model, n_prompt, reps))
+  if n_gen:
+    tests.append(bench_decode(model, n_gen, reps))
+  size = model.config.n_params() * model.dtype.itemsize
+  for r in tests:
+    row = {"model": model.path, "size_gib": size / 2 ** 30, "params_m": model.config.n_params() / 1e6,
+           "backend": jax.default_backend(), "threads": threads, "mode": model.sparse_mode,
+           "test": r.test, "t_s_mean": r.mean, "t_s_sd": r.sd, "compile_s": r.compile_s,
+           "ffn_sparsity": r.ffn_sparsity, "reps": len(r.tokens_per_s)}
+    if r.test.startswith("tg"):
+      read, dense = weight_bytes_per_token(model, r.ffn_sparsity)
+      row.update(weight_bytes_per_token=read, dense_weight_bytes_per_token=dense,
+                 implied_gb_s=read * r.mean / 1e9, ideal_speedup=dense / read)
+    rows.append(row)
+  return rows
+
+
+def format_markdown(rows: list[dict[str, Any]]) -> str:
+  out = ["| model | size | params | backend | threads | mode | test | t/s |",
+         "| --- | ---: | ---: | --- | ---: | --- | --- | ---: |"]
+  for r in rows:
+    out.append(f"| {r['model'].split('/')[-1]} | {r['size_gib']:.2f} GiB | "
+               f"{r['params_m']:.1f} M | {r['backend']} | {r['threads']} | {r['mode']} | "
+               f"{r['test']} | {r['t_s_mean']:.2f} ± {r['t_s_sd']:.2f} |")
+  for r in rows:
+    extra = f"{r['test']}: compile {r['compile_s']:.2f} s"
+    if r["mode"] != "off":
+      extra += f", FFN sparsity {r['ffn_sparsity']:.3f}"
+    if "weight_bytes_per_token" in r:
+      extra += (f", weights read per token {r['weight_bytes_per_token'] / 1e6:.1f} MB "
+                f"(dense {r['dense_weight_bytes_per_token'] / 1e6:.1f} MB), implied "
+                f"{r['implied_gb_s']:.1f} GB/s, ideal speedup vs dense "
+                f"{r['ideal_speedup']:.2f}x")
+    out.append(extra)
+  return "\n".join(out)
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  from absl import flags
+  import pijax
+  from pijax import sparse_flags
+  f = flags.FLAGS
+  if f.repetitions < 1:
+    raise ConfigError(f"-r {f.repetitions} must be >= 1.")
+  if f.output not in ("md", "json"):
+    raise ConfigError(f"-o {f.output!r} must be md or json.")
+  if f.threads is not None and f.threads < 1:
+    raise ConfigError(f"-t {f.threads} must be >= 1.")
+  model = pijax.load(f.model, max_seq_len=max(f.n_prompt, f.n_gen + 1, 256))
+  sparse_flags.configure(model)
+  import os
+  threads = f.threads or os.cpu_count()
+  if f.threads:
+    from host_ops import sparse_ffn as host_ffn
+    host_ffn.set_host_threads(f.threads)
+  rows = run(model, n_prompt=f.n_prompt, n_gen=f.n_gen, reps=f.repetitions, threads=threads)
+  if f.output == "json":
+    sys.stdout.write(json.dumps(rows, indent=1) + "\n")
+  else:
+    sys.stdout.write(format_markdown(rows) + "\n")
+
+
+if __name__ == "__main__":
+  from absl import flags
+  from pijax import cli
+  from pijax import sparse_flags  # noqa: F401  (defines --sparse, --hot_ratio, ...)
+  flags.DEFINE_string("model", "default", "GGUF, bundle, or 'default'.", short_name="m")
+  flags.DEFINE_integer("n_prompt", 512, "Prompt tokens for the pp test (0 = skip).",
+                       short_name="p")
+  flags.DEFINE_integer("n_gen", 128, "Generated tokens for the tg test (0 = skip).",
+                       short_name="n")
+  flags.DEFINE_integer("repetitions", 5, "Timed repetitions after one warm-up.", short_name="r")
+  flags.DEFINE_integer("threads", None, "Host threads (numba; XLA uses every core).",
+                       short_name="t")
+  flags.DEFINE_string("output", "md", "md or json.", short_name="o")
+  cli.run(main, "pijax.bench")
