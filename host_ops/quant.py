@@ -1,6 +1,6 @@
 """Q8 host weights: int8 rows with one f32 scale per block of 32 values (like llama.cpp's Q8_0).
 
-Why (DESIGN.md §4, issue "CPU speed"): host ops are bandwidth-bound, and int8 rows read 1.125 bytes
+Why (../shared/DESIGN.md §4, issue "CPU speed"): host ops are bandwidth-bound, and int8 rows read 1.125 bytes
 per weight (1 + 4/32 for the scales) instead of 4. Activations stay f32; each block's int8 dot is
 accumulated in f32 and scaled once.
 

@@ -1,7 +1,7 @@
 """The cold FFN neurons on the host: a sparse gated FFN over neuron-major f32 rows (numba).
 
 One layer's host weights are neuron-major, so one neuron is one contiguous row of each matrix
-("row-column bundling", DESIGN.md §1 step 4; the down projection is stored transposed):
+("row-column bundling", ../shared/DESIGN.md §1 step 4; the down projection is stored transposed):
 
   gate_rows, up_rows, down_rows: f32[n, D]    (n host neurons, D = hidden size)
 

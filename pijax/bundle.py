@@ -12,7 +12,8 @@ A bundle is a folder:
                    predictors/layers_i/{fc1: f32[D, r_i], fc2: f32[r_i, F]} (permuted order),
                    perm: i32[L, F] original index of each stored neuron,
                    thresholds: f32[L] contribution thresholds t_l, cuts: f32[L] predictor logit
-                   cuts, frequencies: f32[L, F] activation probability per token (permuted).
+                   cuts, rms_bounds: f32[L] residual rms above which a token runs dense,
+                   frequencies: f32[L, F] activation probability per token (permuted).
 Embeddings, attention, norms and the tokenizer come from the source GGUF, whose sha256 must
 match the manifest. Bundles are written to a temporary sibling folder and renamed into place.
 """
@@ -153,6 +154,7 @@ class SparseBundle:
     ffn: {layers_i: {gate, up, down}: f32[F, D]} neuron-major weights (numpy, host).
     predictors: {layers_i: {fc1: f32[D, r], fc2: f32[r, F]}}.
     cuts: f32[L] predictor logit cuts; thresholds: f32[L] contribution thresholds.
+    rms_bounds: f32[L] residual rms above which a token runs dense (inf: never).
     frequencies: f32[L, F]; perm: i32[L, F]; hot_counts: list of L ints (placement).
   """
 
@@ -162,6 +164,7 @@ class SparseBundle:
   predictors: dict[str, Any]
   cuts: np.ndarray
   thresholds: np.ndarray
+  rms_bounds: np.ndarray
   frequencies: np.ndarray
   perm: np.ndarray
   hot_counts: list[int]
@@ -202,6 +205,7 @@ def load_bundle(path: str, *, dtype: str = "float32", max_seq_len: int | None = 
   model.sparse = SparseBundle(
       path=os.path.abspath(path), manifest=manifest, ffn=tree["ffn"],
       predictors=tree["predictors"], cuts=tree["cuts"], thresholds=tree["thresholds"],
+      rms_bounds=tree.get("rms_bounds", np.full(model.config.n_layers, np.inf, np.float32)),
       frequencies=tree["frequencies"], perm=tree["perm"],
       hot_counts=[int(layer["hot_count"]) for layer in manifest["layers"]])
   model.path = os.path.abspath(path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-# FFN families (DESIGN.md §1, table "FFN families").
+# FFN families (../shared/DESIGN.md §1, table "FFN families").
 FFN_SWIGLU = "swiglu"  # silu(gate x) * (up x): LLaMA, SmolLM2, Mistral.
 FFN_REGLU = "reglu"  # relu(gate x) * (up x): ReluLLaMA, ProSparse.
 FFN_DRELU = "drelu"  # relu(gate x) * relu(up x): Bamboo, TurboSparse.

@@ -31,7 +31,7 @@ from pijax.errors import ConfigError
 from pijax.profile import Profile, profile_model
 from pijax.train_predictors import DEFAULT_RANKS, train_predictors
 
-PREDICTOR_BUDGET_FRACTION = 0.05  # Predictor bytes <= 5% of FFN bytes (DESIGN.md §5).
+PREDICTOR_BUDGET_FRACTION = 0.05  # Predictor bytes <= 5% of FFN bytes (../shared/DESIGN.md §5).
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -64,6 +64,7 @@ class ConvertOptions:
   ranks: Sequence[int] = DEFAULT_RANKS
   recall_target: float = 0.95
   epochs: int = 8
+  predictor_weighting: str = "count"
   workdir: str | None = None
   keep_workdir: bool = False
   overwrite: bool = False
@@ -100,7 +101,8 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
     max_rank = None
     t0 = time.perf_counter()
     preds = train_predictors(model, prof, ranks=opts.ranks, recall_target=opts.recall_target,
-                             epochs=opts.epochs, max_rank=max_rank, progress=opts.progress)
+                             epochs=opts.epochs, max_rank=max_rank, progress=opts.progress,
+                             weighting=opts.predictor_weighting)
     train_s = time.perf_counter() - t0
     ranks = [p.rank for p in preds]
     perm = bundle_lib.permutation_from_counts(prof.counts)
@@ -119,6 +121,7 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
         "perm": perm,
         "thresholds": np.asarray(prof.thresholds, np.float32),
         "cuts": np.asarray([p.cut for p in preds], np.float32),
+        "rms_bounds": np.asarray([p.rms_bound for p in preds], np.float32),
         "frequencies": freqs.astype(np.float32),
     }
     manifest["timing"]["total_s"] = time.perf_counter() - start
@@ -159,6 +162,7 @@ def build_manifest(model, opts: ConvertOptions, prof: Profile,
         "predictor_rank": int(p.rank),
         "predictor_bytes": int(p.n_bytes()),
         "cut": _finite(p.cut),
+        "rms_bound": _finite(p.rms_bound),
         "val_recall": _finite(p.val_recall),
         "recall": _finite(p.test_recall),
         "precision": _finite(p.test_precision),
@@ -179,6 +183,7 @@ def build_manifest(model, opts: ConvertOptions, prof: Profile,
                                          "n_train": prof.n_train},
       "target_sparsity": prof.target_sparsity,
       "recall_target": opts.recall_target,
+      "predictor_weighting": opts.predictor_weighting,
       "placement": placement.to_json(),
       "device": {"dtype": opts.device_dtype, "max_seq_len": opts.max_seq_len,
                  "device_bytes": int(placement.device_bytes),
@@ -255,6 +260,7 @@ def main(argv: list[str]) -> None:
       max_tokens=pick("max_tokens", 65536), chunk_len=pick("chunk_len", 512),
       ranks=cli.parse_ints(pick("ranks", ",".join(map(str, DEFAULT_RANKS))), "ranks"),
       recall_target=pick("recall_target", 0.95), epochs=pick("epochs", 8),
+      predictor_weighting=pick("predictor_weighting", "count"),
       workdir=pick("workdir"), keep_workdir=f.keep_workdir, overwrite=f.overwrite)
   if not os.path.isfile(opts.calibration):
     raise ConfigError(f"{opts.calibration}: no such calibration text file.")
@@ -290,6 +296,8 @@ if __name__ == "__main__":
   flags.DEFINE_string("ranks", None, "Predictor rank ladder, e.g. 16,32,64.")
   flags.DEFINE_float("recall_target", None, "Held-out recall the predictor cut must reach.")
   flags.DEFINE_integer("epochs", None, "Predictor training epochs per rank.")
+  flags.DEFINE_string("predictor_weighting", None, "count (recall of active pairs) or "
+                      "contribution (pairs weighted by |a| / t in the loss and the cut).")
   flags.DEFINE_string("workdir", None, "Keep intermediate files here (default: temp).")
   flags.DEFINE_boolean("keep_workdir", False, "Do not delete the temporary workdir.")
   flags.DEFINE_boolean("overwrite", False, "Replace an existing --out bundle.")

@@ -48,7 +48,7 @@ def evaluate_predictors(model, text: str, *, max_tokens: int = 8192, chunk_len: 
                           float(model.sparse.thresholds[layer]))
       pred = np.asarray(predictor_lib.predict_active(
           model.sparse.predictors[f"layers_{layer}"], float(model.sparse.cuts[layer]),
-          jnp.asarray(inputs[layer])))
+          jnp.asarray(inputs[layer]), float(model.sparse.rms_bounds[layer])))
       stats[layer] += [(pred & true).sum(), pred.sum(), true.sum(), true.size]
   out = []
   for tp, pred, true, total in stats:

@@ -23,7 +23,8 @@ def _check_path(path: str | os.PathLike[str]) -> str:
   if os.path.islink(path) and not os.path.exists(path):
     raise GGUFError(f"{path}: a broken or looping symlink; pass an existing .gguf file.")
   if path and not os.path.exists(path):
-    raise GGUFError(f"{path}: no such file; pass an existing .gguf file (or 'default').")
+    raise GGUFError(f"{path}: no such file or bundle folder; pass a .gguf file, a bundle "
+                    "folder made by `python -m pijax.convert`, or 'default'.")
   if not path:
     raise GGUFError("the model path is empty; pass a .gguf file (or 'default').")
   if os.path.isdir(path):

@@ -1,6 +1,6 @@
 """Hybrid sparse FFN: hot neurons on the device, cold neurons on the host, one jitted step.
 
-Per layer and token (PowerInfer, arXiv 2312.12456 §4-5; DESIGN.md §1 "Online"):
+Per layer and token (PowerInfer, arXiv 2312.12456 §4-5; ../shared/DESIGN.md §1 "Online"):
   1. the active set: the predictor's (logit >= cut, mode "predictor") or the true one computed
      densely from the layer's activity threshold (mode "oracle", for correctness checks);
   2. neurons are stored sorted by activation frequency, so the first `hot_count` are hot:
@@ -82,7 +82,8 @@ class HybridFFN(nn.Module):
 
   Params (neuron-major, rows sorted by activation frequency):
     hot/{gate, up, down}: [n_hot, D] device-resident rows.
-    predictor/{fc1: f32[D, r], fc2: f32[r, F]} and cut: f32[] (mode predictor).
+    fc1: f32[D, r], fc2: f32[r, F], cut: f32[], rms_bound: f32[] (mode predictor; tokens
+      with residual rms above rms_bound run dense, see `pijax.predictor.predict_active`).
     all/{gate, up}: [F, D] and threshold: f32[] (mode oracle: the true active set).
   """
 
@@ -110,8 +111,9 @@ class HybridFFN(nn.Module):
       fc1 = self.param("fc1", zeros, (d, rank), jnp.float32)
       fc2 = self.param("fc2", zeros, (rank, f), jnp.float32)
       cut = self.param("cut", zeros, (), jnp.float32)
-      logits = predictor_lib.predictor_logits({"fc1": fc1, "fc2": fc2}, x.astype(jnp.float32))
-      mask = logits >= cut  # [B, T, F]
+      rms_bound = self.param("rms_bound", zeros, (), jnp.float32)
+      mask = predictor_lib.predict_active({"fc1": fc1, "fc2": fc2}, cut,
+                                          x.astype(jnp.float32), rms_bound)  # [B, T, F]
     else:
       raise ValueError(f"unknown sparse mode {spec.mode!r}")
     self.sow("intermediates", "active_fraction", jnp.mean(mask.astype(jnp.float32)))
@@ -248,6 +250,7 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
       ffn["fc1"] = jnp.asarray(pred["fc1"], jnp.float32)
       ffn["fc2"] = jnp.asarray(pred["fc2"], jnp.float32)
       ffn["cut"] = jnp.asarray(model.sparse.cuts[i] + cut_offset, jnp.float32)
+      ffn["rms_bound"] = jnp.asarray(model.sparse.rms_bounds[i], jnp.float32)
     if n_hot < f:
       weights = host_ffn.HostFFNWeights(
           np.ascontiguousarray(rows["gate"][n_hot:], np.float32),

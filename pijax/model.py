@@ -109,7 +109,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, style: str) -> jax.
 
 
 def ffn_activation(gate: jax.Array, up: jax.Array, family: str) -> jax.Array:
-  """Per-neuron FFN activation a = act(gate x) * (up x) by family (DESIGN.md §1)."""
+  """Per-neuron FFN activation a = act(gate x) * (up x) by family (../shared/DESIGN.md §1)."""
   if family == config_lib.FFN_SWIGLU:
     return jax.nn.silu(gate) * up
   if family == config_lib.FFN_REGLU:

@@ -1,6 +1,6 @@
 """Placement: how many FFN neurons of each layer are hot (resident on the device).
 
-DESIGN.md §1 "Place". The dense part (embedding, LM head, attention, norms, predictors, KV
+../shared/DESIGN.md §1 "Place". The dense part (embedding, LM head, attention, norms, predictors, KV
 cache) goes to the device first and is accounted to the byte; the rest of the budget goes to
 FFN neurons. Each layer's neurons are sorted by descending activation frequency (see
 "Reorder"), so a layer's hot set is a prefix: `hot_counts[l]` = the first h_l neurons.
@@ -28,7 +28,7 @@ import numpy as np
 from pijax.config import ModelConfig
 from pijax.errors import BudgetError, ConfigError
 
-PREDICTOR_DTYPE_BYTES = 4  # Predictors are f32 (DESIGN.md §1 "Predictors").
+PREDICTOR_DTYPE_BYTES = 4  # Predictors are f32 (../shared/DESIGN.md §1 "Predictors").
 METHOD_MILP = "milp"
 METHOD_HOT_RATIO = "hot_ratio"
 METHODS = (METHOD_MILP, METHOD_HOT_RATIO)

@@ -1,7 +1,7 @@
 """Per-layer FFN activation predictors (Deja Vu / PowerInfer style) with an adaptive rank.
 
 One predictor per FFN layer guesses, before the FFN runs, which of its F neurons will be
-active for a token, so the engine reads only those neurons' weights (DESIGN.md §1,
+active for a token, so the engine reads only those neurons' weights (../shared/DESIGN.md §1,
 "Predictors"). It is a two-layer bias-free MLP
 
     logits = fc2(relu(fc1(x_hat)))        fc1: f32[D, r], fc2: f32[r, F]
@@ -101,16 +101,34 @@ def predictor_logits(params: dict, x: jax.Array) -> jax.Array:
   return _logits_from_normalized(params, normalize_input(x))
 
 
+RMS_BOUND_FACTOR = 4.0  # Inputs with rms > this x the median training rms run dense.
+
+
+def rms(x: jax.Array) -> jax.Array:
+  """Root mean square over the last axis: f32[..., D] -> f32[...]."""
+  x = x.astype(jnp.float32)
+  return jnp.sqrt(jnp.mean(x * x, axis=-1))
+
+
 @jax.jit
-def predict_active(params: dict, cut: float | jax.Array, x: jax.Array) -> jax.Array:
-  """Predicted active set: bool[..., F], logits >= cut.
+def predict_active(params: dict, cut: float | jax.Array, x: jax.Array,
+                   rms_bound: float | jax.Array = jnp.inf) -> jax.Array:
+  """Predicted active set: bool[..., F], logits >= cut, every neuron for outlier tokens.
+
+  Tokens whose residual stream has rms(x) > rms_bound (the "massive activation" tokens, such
+  as the first token of a sequence, whose norm is 6-130x the typical one on SmolLM2) get every
+  neuron: predictors trained on ordinary tokens missed up to 93% of their active neurons, and
+  every later token attends to them (BUILD_NOTES.md, issue 4).
 
   Args:
     params: {"fc1": f32[D, R], "fc2": f32[R, F]}.
     cut: scalar logit threshold; -inf predicts every neuron active, +inf none.
     x: f32[..., D] residual stream before the FFN's RMSNorm.
+    rms_bound: scalar; inf disables the fallback.
   """
-  return predictor_logits(params, x) >= jnp.asarray(cut, jnp.float32)
+  pred = predictor_logits(params, x) >= jnp.asarray(cut, jnp.float32)
+  outlier = rms(x) > jnp.asarray(rms_bound, jnp.float32)
+  return pred | outlier[..., None]
 
 
 def predictor_bytes(hidden: int, ffn: int, rank: int) -> int:
@@ -162,6 +180,7 @@ class LayerPredictor:
   test_predicted_sparsity: float
   true_sparsity: float
   ladder: list[dict]
+  rms_bound: float = math.inf  # Tokens with rms(x) above it run dense (see predict_active).
 
   def n_bytes(self) -> int:
     """f32 bytes of fc1 + fc2."""
@@ -214,8 +233,10 @@ def _train_epoch(params, opt_state, x_hat, active, key, pos_weight, learning_rat
 
   def step(carry, batch_ids):
     params, opt_state = carry
+    # pos_weight: a scalar, or f32[N, F] per-pair weights of the positives (importance).
+    pw = pos_weight[batch_ids] if pos_weight.ndim == 2 else pos_weight
     loss, grads = jax.value_and_grad(_weighted_bce)(params, x_hat[batch_ids], active[batch_ids],
-                                                    pos_weight)
+                                                    pw)
     updates, opt_state = _ADAM.update(grads, opt_state, params)
     params = jax.tree.map(lambda p, u: p - learning_rate * u, params, updates)
     return (params, opt_state), loss
@@ -269,6 +290,41 @@ def _calibrate_cut(params, x_hat: np.ndarray, active: np.ndarray, recall_target:
   return float(np.partition(pos, p - k)[p - k])
 
 
+def _calibrate_cut_weighted(params, x_hat: np.ndarray, active: np.ndarray, weight: np.ndarray,
+                            recall_target: float) -> float:
+  """Largest logit cut keeping >= recall_target of the active pairs' total weight.
+
+  weight: f32[N, F] >= 0 importance of each pair (e.g. |a| / t_l). Returns +inf when no active
+  pair has weight.
+  """
+  logits, w = [], []
+  for s in _chunks(len(x_hat)):
+    z = np.asarray(_logits_chunk(params, x_hat[s]))
+    logits.append(z[active[s]])
+    w.append(weight[s][active[s]])
+  z = np.concatenate(logits) if logits else np.zeros((0,), np.float32)
+  w = np.concatenate(w).astype(np.float64) if w else np.zeros((0,))
+  total = w.sum()
+  if z.size == 0 or total <= 0:
+    return math.inf
+  order = np.argsort(-z, kind="stable")
+  cum = np.cumsum(w[order])
+  k = int(np.searchsorted(cum, recall_target * total * (1 - 1e-12)))
+  return float(z[order[min(k, z.size - 1)]])
+
+
+def weighted_recall(params, cut: float, x_hat: np.ndarray, active: np.ndarray,
+                    weight: np.ndarray) -> float:
+  """Share of the active pairs' total weight that (params, cut) predicts active."""
+  kept = total = 0.0
+  for s in _chunks(len(x_hat)):
+    pred = np.asarray(_logits_chunk(params, x_hat[s])) >= cut
+    w = np.where(active[s], weight[s], 0.0)
+    kept += float((w * pred).sum())
+    total += float(w.sum())
+  return kept / total if total else 1.0
+
+
 def _evaluate(params, cut: float, x_hat: np.ndarray, active: np.ndarray) -> dict:
   """Pooled recall, precision, predicted and true sparsity of (params, cut) on one split.
 
@@ -298,10 +354,11 @@ def _train_rank(x_tr, y_tr, *, hidden, ffn, rank, epochs, batch_size, learning_r
   params = _init_params(init_key, hidden, ffn, rank)
   opt_state = _ADAM.init(params)
   loss = jnp.float32(jnp.nan)
+  pos_weight = pos_weight if isinstance(pos_weight, jax.Array) else jnp.float32(pos_weight)
   for epoch in range(epochs):
     params, opt_state, loss = _train_epoch(
         params, opt_state, x_tr, y_tr, jax.random.fold_in(shuffle_key, epoch),
-        jnp.float32(pos_weight), jnp.float32(learning_rate), batch_size=batch_size)
+        pos_weight, jnp.float32(learning_rate), batch_size=batch_size)
   return jax.tree.map(np.asarray, params), float(loss)
 
 
@@ -309,7 +366,8 @@ def train_layer_predictor(x: np.ndarray, active: np.ndarray, split: np.ndarray, 
                           ranks=(16, 32, 64, 128, 256), recall_target: float = 0.95,
                           max_rank: int | None = None, epochs: int = 8, batch_size: int = 1024,
                           learning_rate: float = 3e-3, min_gain: float = 0.02,
-                          seed: int = 0) -> LayerPredictor:
+                          seed: int = 0, importance: np.ndarray | None = None,
+                          importance_cap: float = 100.0) -> LayerPredictor:
   """Trains one layer's predictor, calibrates its cut, and picks its rank from a ladder.
 
   Loss: binary cross-entropy on the logits with the positive class weighted by
@@ -349,6 +407,14 @@ def train_layer_predictor(x: np.ndarray, active: np.ndarray, split: np.ndarray, 
       at N=50000, D=576, F=1536, r=64); 3e-2 was no better than 1e-2.
     min_gain: smallest validation predicted-sparsity gain (a fraction) that buys the next rank.
     seed: seeds initialisation and shuffling; the same seed gives identical params.
+    importance: optional f32[N, F] >= 0 weight of each (token, neuron) pair, e.g. the
+      neuron's contribution |a| / t_l. When given, (1) positives are weighted in the loss in
+      proportion to clip(importance, 1, importance_cap) (same mean weight as without), so a
+      miss of a large contribution costs more than a miss near the threshold; and (2) the cut
+      keeps recall_target of the active pairs' total importance instead of their count. On
+      SmolLM2 the count-calibrated predictors missed neurons of up to 340x the threshold,
+      which is what costs perplexity (BUILD_NOTES.md, issue 4).
+    importance_cap: upper clip of the training weight ratio.
 
   Returns:
     The chosen LayerPredictor.
@@ -400,6 +466,16 @@ def train_layer_predictor(x: np.ndarray, active: np.ndarray, split: np.ndarray, 
 
   pos_weight = float(np.clip(n_neg / n_pos, 1.0, MAX_POS_WEIGHT))
   x_tr, y_tr = jnp.asarray(x_hat[is_tr]), jnp.asarray(y_tr_np)  # One host->device copy.
+  w_val = None
+  if importance is not None:
+    importance = np.asarray(importance, np.float32)
+    if importance.shape != active.shape:
+      raise ValueError(f"importance {importance.shape} must match active {active.shape}")
+    w_tr = np.clip(importance[is_tr], 1.0, importance_cap)
+    w_tr /= w_tr[y_tr_np].mean()
+    pos_weight = jnp.asarray(pos_weight * w_tr, jnp.float32)
+    del w_tr
+    w_val = importance[is_val]
   batch = min(batch_size, x_tr.shape[0])
 
   ladder: list[dict] = []
@@ -410,7 +486,10 @@ def train_layer_predictor(x: np.ndarray, active: np.ndarray, split: np.ndarray, 
                                batch_size=batch, learning_rate=learning_rate,
                                pos_weight=pos_weight, seed=seed)
     train_s = time.perf_counter() - t0
-    cut = _calibrate_cut(params, x_val, y_val, recall_target)
+    if w_val is None:
+      cut = _calibrate_cut(params, x_val, y_val, recall_target)
+    else:
+      cut = _calibrate_cut_weighted(params, x_val, y_val, w_val, recall_target)
     val = _evaluate(params, cut, x_val, y_val)
     ladder.append(dict(rank=rank, val_predicted_sparsity=val["predicted_sparsity"],
                        val_recall=val["recall"], cut=cut, train_loss=loss, train_s=train_s,

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pijax import predictor as predictor_lib
-from pijax.profile import Profile, layer_active
+from pijax.profile import Profile, layer_active, layer_contribution
 
 PREDICTORS_FILE = "predictors.npz"
 PREDICTORS_META_FILE = "predictors.json"
@@ -29,28 +29,48 @@ DEFAULT_RANKS = (16, 32, 64)
 
 def train_predictors(model, profile: Profile, *, ranks: Sequence[int] = DEFAULT_RANKS,
                      recall_target: float = 0.95, epochs: int = 8, max_rank: int | None = None,
-                     learning_rate: float = 1e-2,
+                     learning_rate: float = 1e-2, weighting: str = "count",
                      seed: int = 0, progress: bool = True
                      ) -> list[predictor_lib.LayerPredictor]:
-  """Trains one predictor per layer on the profile's recorded inputs (original neuron order)."""
+  """Trains one predictor per layer on the profile's recorded inputs (original neuron order).
+
+  weighting: "count" calibrates each cut for recall_target of the active (token, neuron)
+  pairs; "contribution" weights pairs by |a| / t_l in the loss and the cut (see
+  `pijax.predictor.train_layer_predictor`, argument `importance`).
+  """
+  from pijax.errors import ConfigError
+  if weighting not in ("count", "contribution"):
+    raise ConfigError(f"predictor weighting {weighting!r} must be 'count' or 'contribution'.")
   cfg = model.config
   inputs = profile.ffn_inputs(cfg)
   out = []
   layers = tqdm(range(cfg.n_layers), desc="train predictors", disable=not progress)
   for layer in layers:
     x = np.asarray(inputs[layer])
-    active = layer_active(model.params, cfg, layer, x, float(profile.thresholds[layer]))
+    t = float(profile.thresholds[layer])
+    importance = None
+    if weighting == "contribution" and t > 0:
+      contribution = layer_contribution(model.params, cfg, layer, x)
+      active = contribution >= t  # Exactly sparsity.active_mask's definition.
+      importance = contribution / t
+      del contribution
+    else:
+      active = layer_active(model.params, cfg, layer, x, t)
     lr = learning_rate
     for attempt in range(3):
       result = predictor_lib.train_layer_predictor(
           x, active, profile.split, ranks=tuple(ranks), recall_target=recall_target,
-          max_rank=max_rank, epochs=epochs, learning_rate=lr, seed=seed + layer + 1000 * attempt)
+          max_rank=max_rank, epochs=epochs, learning_rate=lr, seed=seed + layer + 1000 * attempt,
+          importance=importance)
       # A run whose ReLUs all died predicts nothing (loss stuck at ln 2, sparsity ~0) although
       # the layer is sparse: retry with a smaller step.
       dead = result.true_sparsity > 0.1 and result.test_predicted_sparsity < 0.01
       if not dead:
         break
       lr /= 3.0
+    # Outlier tokens (rms far above the typical training token) run dense at inference.
+    train_rms = np.sqrt(np.mean(np.square(x[profile.split == 0], dtype=np.float64), axis=-1))
+    result.rms_bound = float(predictor_lib.RMS_BOUND_FACTOR * np.median(train_rms))
     out.append(result)
     if progress:
       layers.set_postfix(rank=result.rank, recall=f"{result.test_recall:.3f}",
