@@ -3,15 +3,18 @@
 Host kernels are numba functions over NumPy arrays. They never call JAX, so they can run inside a
 `jax.pure_callback` or in a worker thread while the device works (numba `nogil=True`).
 
-Threads: numba's `set_num_threads` is thread-local (it only affects the calling Python thread), and a
-`jax.pure_callback` runs on a thread that XLA chooses. So the wanted count is kept here, set by
-`set_host_threads(n)`, and every public host op re-applies it on its own thread before launching a
-kernel (`ensure_host_threads()`, a cheap comparison when it already holds).
+Threads: numba's `set_num_threads` is thread-local (it only affects the calling Python thread),
+and a `jax.pure_callback` runs on a thread that XLA chooses. So the wanted count is kept here, set
+by `set_host_threads(n)`, and every public host op re-applies it on its own thread before launching
+a kernel (`ensure_host_threads()`, a cheap comparison when it already holds).
 
 Concurrency: the kernels may be called from several Python threads at once with numba's "omp" or
 "tbb" threading layer (the dev machines use omp); the "workqueue" layer is not thread-safe.
 The parallel split is static (one contiguous range per thread), so a core busy with another process
-stalls the whole call: on a 2-core machine shared with other work, prefer set_host_threads(1).
+stalls the whole call until that thread is scheduled again: on dev-2c with other CPU-bound jobs
+running, 2-thread calls took 16 ms (or 32, 48: whole scheduler slices) instead of 50-500 us. On a
+machine shared with other work, or where XLA's own threads are busy, use fewer host threads than
+cores (set_host_threads(1) on 2 cores).
 """
 
 from __future__ import annotations
@@ -40,15 +43,16 @@ _SILU_FLOOR = -80.0
 _JIT = dict(nogil=True, fastmath=True, cache=True)
 
 # Software prefetch of the next active neuron's rows: PREFETCH_AHEAD neurons ahead in a thread's
-# range (0 = off), the first PREFETCH_BYTES of each row (and Q8 scale row). Measured on dev-2c,
-# 2 threads, rows cycled from DRAM: SmolLM2 shapes (D=576) at 90% sparsity 66 -> 49 us (Q8) and
-# 84 -> 72 us (f32) per kernel call, 50%: 148 -> 133 us (Q8); LLaMA-2-7B shapes (D=4096, rows of
-# 4-16 KB that the hardware streamer already follows) unchanged within noise with a 1 KB head, but
-# ~10% slower when whole rows were prefetched. Prefetching never changes results.
+# range (0 = off; read at each call), the first PREFETCH_BYTES of each row and Q8 scale row (fixed
+# at compile time). Measured on dev-2c, 2 threads, public API, rows cycled from DRAM, ahead 0 -> 1:
+# SmolLM2 shapes (D=576) Q8 at 90% / 50% sparsity 84 -> 57 us / 172 -> 150 us, f32 at 90%
+# 80 -> 71 us; LLaMA-2-7B shapes (D=4096, 4-16 KB rows the hardware streamer already follows) f32
+# unchanged, Q8 -4% at 90% and +3% at 50%. Whole-row prefetch made LLaMA shapes ~10% slower.
+# Prefetching never changes results.
 PREFETCH_AHEAD = 1
 PREFETCH_BYTES = 1024
 _CACHE_LINE = 64
-# llvm.prefetch's name carries its pointer type: "p0" since LLVM 15 (opaque pointers), "p0i8" before.
+# llvm.prefetch's name carries its pointer type: "p0" from LLVM 15 (opaque pointers), else "p0i8".
 _PREFETCH_FN = "llvm.prefetch.p0" if llvmlite.binding.llvm_version_info[0] >= 15 else \
     "llvm.prefetch.p0i8"
 

@@ -2,8 +2,9 @@
 
   python -m host_ops.bench [--threads=2] [--seconds=1.5]
 
-For each shape (LLaMA-2-7B: D=4096, n=11008; SmolLM2-135M: D=576, n=1536) and sparsity (0/50/90%,
-random active sets, sorted ids, b=1, swiglu so every active neuron reads its gate, up and down rows),
+For each shape (LLaMA-2-7B: D=4096, n=11008; SmolLM2-135M: D=576, n=1536) and sparsity
+(0/50/90%, random active sets, sorted ids, b=1, swiglu so every active neuron reads its gate, up and
+down rows),
 it cycles over enough distinct copies of the layer to exceed `--cold_mb` (default 600 MB, over the
 260 MB L3 of the dev machines) so rows come from DRAM, and reports the time per call (Python
 wrapper included; median of the best of 5 timing windows, and the median over all of them) and the

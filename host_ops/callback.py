@@ -2,9 +2,9 @@
 
 Only the activations and the id vector cross the callback; the weights stay in the NumPy arrays the
 host registry owns (`host_ops.sparse_ffn.register_layer`). On GPU each callback drains the stream
-and syncs, ~55-60 us per call with no work (../shared/DESIGN.md §3-4): one callback per layer, never one per
-matmul. For CPU/GPU overlap, call `host_ops.sparse_ffn.run_layer` from a worker thread instead
-(the kernels release the GIL).
+and syncs, ~55-60 us per call with no work (../shared/DESIGN.md §3-4): one callback per layer,
+never one per matmul. For CPU/GPU overlap, call `host_ops.sparse_ffn.run_layer` from a worker
+thread instead (the kernels release the GIL).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Q8 host weights: int8 rows with one f32 scale per block of 32 values (like llama.cpp's Q8_0).
 
-Why (../shared/DESIGN.md §4, issue "CPU speed"): host ops are bandwidth-bound, and int8 rows read 1.125 bytes
-per weight (1 + 4/32 for the scales) instead of 4. Activations stay f32; each block's int8 dot is
-accumulated in f32 and scaled once.
+Why (../shared/DESIGN.md §4, issue "CPU speed"): host ops are bandwidth-bound, and int8 rows read
+1.125 bytes per weight (1 + 4/32 for the scales) instead of 4. Activations stay f32 (never
+quantized); products q * scale * x are accumulated in f32.
 
 Format, for rows: f32[n, D] with D a multiple of 32 (Q8_BLOCK):
   q: i8[n, D], scales: f32[n, D // 32]; block j of row i is rows[i, 32j:32j+32] ~ q[i, 32j:32j+32] *
@@ -133,7 +133,7 @@ def _neuron_q8(gq, gs, uq, us, dq, ds, x_row, acc_row, code, block):
 
 @numba.njit(inline="always", **_common._JIT)
 def _prefetch_q8(gq, gs, uq, us, dq, ds, ids_row, j, hi, ahead):
-  """Prefetches the rows and scales of neuron ids_row[j + ahead] when still in this thread's range."""
+  """Prefetches rows and scales of neuron ids_row[j + ahead] if it is in this thread's range."""
   if ahead > 0 and j + ahead < hi:
     p = ids_row[j + ahead]
     _common.prefetch_head(gq[p])
@@ -221,7 +221,10 @@ def sparse_ffn_host_q8_reference(gate: Q8Rows, up: Q8Rows, down: Q8Rows, x, ids,
 
 @numba.njit(parallel=True, **_common._JIT)
 def _gemv_q8_kernel(q, scales, x):
-  """out[r, i] = dequant(q[i]) . x[r]. q: i8[n, D]; scales: f32[n, D // 32]; x: f32[b, D] -> f32[b, n]."""
+  """out[r, i] = dequant(q[i]) . x[r].
+
+  q: i8[n, D]; scales: f32[n, D // 32]; x: f32[b, D] -> f32[b, n].
+  """
   n = q.shape[0]
   b = x.shape[0]
   out = np.empty((b, n), dtype=np.float32)

@@ -12,14 +12,16 @@ For a token x: f32[D] and its active host neurons A (ids into [0, n)):
 with act = silu(g)*u ("swiglu"), relu(g)*u ("reglu") or relu(g)*relu(u) ("drelu"). Only the rows of
 active neurons are read; a ReLU-family neuron whose activation is exactly 0 skips its down row.
 
-Batches: x: f32[b, D] with either one padded id list per row, ids: i32[b, k] (-1 = padding), or one
-shared (union) list, ids: i32[k], applied to every row (each active row is then read once for all b).
+Batches: x: f32[b, D] with either one padded id list per row, ids: i32[b, k] (-1 = padding), or
+one shared (union) list, ids: i32[k], applied to every row (each active row is then read once for
+all b).
 Ids must be unique within a list (not checked; a repeated id is counted twice) and < n (checked).
 Negative ids are padding wherever they sit. Empty and full lists work.
 
 Parallel scheme (deterministic; PowerInfer's CPU down-projection reduction raced on a shared
-output): each list is cut into one contiguous range per thread; thread t accumulates its range into
-its own partial output, partials: f32[n_threads, b, D]; the partials are then summed in thread order.
+output): each list is cut into one contiguous range per thread; thread t accumulates its range
+into its own partial output, partials: f32[n_threads, b, D]; the partials are then summed in
+thread order.
 So a fixed thread count gives bitwise identical results on every run. Dots accumulate in f32.
 
 Layout, per STYLE.md: numba kernel (`_sparse_ffn_f32_kernel`) -> public function
@@ -268,7 +270,7 @@ def get_layer(handle: int) -> HostFFNWeights:
 
 
 def run_layer(handle: int, x, ids) -> np.ndarray:
-  """Runs registered layer `handle`: x: f32[b, D] (or [D]), ids: i32[b, k] or i32[k] -> f32[b, D]."""
+  """Runs layer `handle`: x: f32[b, D] (or [D]); ids: i32[b, k] or i32[k] -> f32[b, D]."""
   return get_layer(handle)(x, ids)
 
 

@@ -1,4 +1,4 @@
-"""Host ops (numba) against their NumPy references: sparse FFN f32 and Q8, Q8 format, gemv, registry."""
+"""Host ops (numba) against NumPy references: sparse FFN f32 / Q8, Q8 format, gemv, registry."""
 
 import zlib
 
