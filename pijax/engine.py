@@ -343,7 +343,6 @@ class Model:
   # ----------------------------------------------------------------------------- running
   def _prefill(self, cache, ids: list[int], key, sparams, recent, stats: GenerationStats):
     """Prefills `ids` in chunks; returns (first sampled token, cache, key)."""
-    start = time.perf_counter()
     pos = 0
     n = len(ids)
     token = None
@@ -371,7 +370,6 @@ class Model:
         jax.block_until_ready(cache)
         stats.prefill_s += time.perf_counter() - t0
       pos += len(chunk)
-    del start
     return token, cache, key
 
   def _generate_ids(self, ids: list[int], *, max_new_tokens: int, sparams, seed: int,

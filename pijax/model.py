@@ -13,7 +13,6 @@ layer's weights per step and ran the decode matvecs at ~13 GB/s instead of ~34 G
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax
