@@ -103,9 +103,9 @@ class HybridFFN(nn.Module):
       gate_all = self.param("all_gate", zeros, (f, d), h.dtype)
       up_all = self.param("all_up", zeros, (f, d), h.dtype)
       threshold = self.param("threshold", zeros, (), jnp.float32)
-      g = jnp.einsum("BTD,FD->BTF", h, gate_all, preferred_element_type=jnp.float32)
-      u = jnp.einsum("BTD,FD->BTF", h, up_all, preferred_element_type=jnp.float32)
-      mask = sparsity.active_mask(g, u, cfg.ffn_family, threshold)  # [B, T, F]
+      g_all = jnp.einsum("BTD,FD->BTF", h, gate_all, preferred_element_type=jnp.float32)
+      u_all = jnp.einsum("BTD,FD->BTF", h, up_all, preferred_element_type=jnp.float32)
+      mask = sparsity.active_mask(g_all, u_all, cfg.ffn_family, threshold)  # [B, T, F]
     elif spec.mode == MODE_PREDICTOR:
       rank = spec.ranks[self.layer]
       fc1 = self.param("fc1", zeros, (d, rank), jnp.float32)
@@ -132,8 +132,11 @@ class HybridFFN(nn.Module):
         y = y + pallas_ffn.sparse_ffn(h.reshape(1, d), hot_gate, hot_up, hot_down, idx,
                                       family=cfg.ffn_family).reshape(b, t, d)
       else:
-        g = jnp.einsum("BTD,ND->BTN", h, hot_gate, preferred_element_type=jnp.float32)
-        u = jnp.einsum("BTD,ND->BTN", h, hot_up, preferred_element_type=jnp.float32)
+        if spec.mode == MODE_ORACLE:  # Already computed for the mask (rows 0..n_hot).
+          g, u = g_all[..., :n_hot], u_all[..., :n_hot]
+        else:
+          g = jnp.einsum("BTD,ND->BTN", h, hot_gate, preferred_element_type=jnp.float32)
+          u = jnp.einsum("BTD,ND->BTN", h, hot_up, preferred_element_type=jnp.float32)
         a = model_lib.ffn_activation(g, u, cfg.ffn_family) * hot_mask
         y = y + jnp.einsum("BTN,ND->BTD", a.astype(h.dtype), hot_down,
                            preferred_element_type=jnp.float32)

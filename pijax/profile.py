@@ -158,32 +158,31 @@ def layer_preactivations(x: jax.Array, norm_scale: jax.Array, gate: jax.Array, u
           jnp.einsum("ND,DF->NF", h, up, preferred_element_type=jnp.float32))
 
 
-def layer_contribution(params: Any, config: ModelConfig, layer: int, x: np.ndarray,
-                       block: int = 4096) -> np.ndarray:
-  """f32[N, F]: |a_i| (see `sparsity.neuron_contribution`) for FFN-block inputs x: f32[N, D]."""
+def _layer_map(params: Any, config: ModelConfig, layer: int, x: np.ndarray, fn, dtype,
+               block: int = 4096) -> np.ndarray:
+  """fn(gate x, up x) -> [n, F], applied to FFN-block inputs x: f32[N, D] in blocks of tokens."""
   p = params[f"layers_{layer}"]
-  out = np.empty((x.shape[0], config.intermediate_size), np.float32)
-  contrib = jax.jit(functools.partial(sparsity.neuron_contribution, family=config.ffn_family))
+  out = np.empty((x.shape[0], config.intermediate_size), dtype)
   for start in range(0, x.shape[0], block):
     g, u = layer_preactivations(jnp.asarray(x[start:start + block]), p["ffn_norm"]["scale"],
                                 p["ffn"]["gate"]["kernel"], p["ffn"]["up"]["kernel"],
                                 config.rms_norm_eps)
-    out[start:start + block] = np.asarray(contrib(g, u))
+    out[start:start + block] = np.asarray(fn(g, u))
   return out
+
+
+def layer_contribution(params: Any, config: ModelConfig, layer: int, x: np.ndarray) -> np.ndarray:
+  """f32[N, F]: |a_i| (see `sparsity.neuron_contribution`) for FFN-block inputs x: f32[N, D]."""
+  fn = jax.jit(functools.partial(sparsity.neuron_contribution, family=config.ffn_family))
+  return _layer_map(params, config, layer, x, fn, np.float32)
 
 
 def layer_active(params: Any, config: ModelConfig, layer: int, x: np.ndarray,
-                 threshold: float, block: int = 4096) -> np.ndarray:
+                 threshold: float) -> np.ndarray:
   """bool[N, F]: the true active set (see `sparsity.active_mask`) for inputs x: f32[N, D]."""
-  p = params[f"layers_{layer}"]
-  out = np.empty((x.shape[0], config.intermediate_size), bool)
-  mask = jax.jit(functools.partial(sparsity.active_mask, family=config.ffn_family))
-  for start in range(0, x.shape[0], block):
-    g, u = layer_preactivations(jnp.asarray(x[start:start + block]), p["ffn_norm"]["scale"],
-                                p["ffn"]["gate"]["kernel"], p["ffn"]["up"]["kernel"],
-                                config.rms_norm_eps)
-    out[start:start + block] = np.asarray(mask(g, u, threshold=jnp.float32(threshold)))
-  return out
+  fn = jax.jit(functools.partial(sparsity.active_mask, family=config.ffn_family,
+                                 threshold=jnp.float32(threshold)))
+  return _layer_map(params, config, layer, x, fn, bool)
 
 
 def profile_model(model, calibration_path: str, workdir: str, *, target_sparsity: float = 0.5,
