@@ -3,8 +3,14 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= The capital of France is
+# make bench-compare: pijax vs llama.cpp (llama-cpp-python) on one GGUF, same threads.
+BENCH_MODEL ?= default
+N_PROMPT ?= 512
+N_GEN ?= 128
+REPS ?= 5
+THREADS ?= $(shell nproc 2>/dev/null || echo 1)
 
-.PHONY: install install-test demo test test-fast clean
+.PHONY: install install-test install-compare demo test test-fast bench-compare clean
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,9 +23,17 @@ $(VENV)/.test: $(VENV)/.runtime
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# The `compare` extra is llama-cpp-python, built from its sdist (llama.cpp compiled with cmake):
+# ~10-15 min on 2 cores the first time; later runs skip it (stamp file).
+$(VENV)/.compare: $(VENV)/.runtime
+	$(PY) -m pip install -q -e '.[compare]'
+	touch $@
+
 install: $(VENV)/.runtime
 
 install-test: $(VENV)/.test
+
+install-compare: $(VENV)/.compare
 
 demo: install
 	$(PY) -m pijax.generate --config=configs/smollm2_135m.py --prompt="$(PROMPT)" --max_new_tokens=32
@@ -29,6 +43,11 @@ test: install-test
 
 test-fast: install-test
 	$(PY) -m pytest tests -q -m "not slow"
+
+# pp$(N_PROMPT) / tg$(N_GEN) of pijax and llama.cpp side by side, with the ratio pijax / llama.cpp.
+bench-compare: install-compare
+	$(PY) -m pijax.bench_compare -m $(BENCH_MODEL) -p $(N_PROMPT) -n $(N_GEN) -r $(REPS) \
+	    -t $(THREADS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

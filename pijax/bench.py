@@ -114,7 +114,7 @@ def weight_bytes_per_token(model, ffn_sparsity: float) -> tuple[int, int]:
   """(bytes read per decoded token, dense bytes per token) of weights, compute dtype.
 
   Dense: every weight once (the tied head reads the embedding matrix). Sparse: everything but
-  the FFN, plus predictors (f32), plus all hot rows (the CPU path reads every hot row; the GPU
+  the FFN, plus predictors (f32 MLP or 4-bit low-bit), plus all hot rows (the CPU path reads every hot row; the GPU
   kernel only active ones) and the active share of the cold rows.
   """
   cfg = model.config
@@ -128,7 +128,10 @@ def weight_bytes_per_token(model, ffn_sparsity: float) -> tuple[int, int]:
   hot = sum(spec.hot_counts) * neuron
   cold = sum(cfg.intermediate_size - n for n in spec.hot_counts) * neuron
   pred = 0
-  if spec.mode == "predictor":
+  if spec.mode == "predictor" and spec.predictor_kind == "lowbit":
+    from pijax import predictor as predictor_lib
+    pred = predictor_lib.lowbit_bytes(cfg.hidden_size, cfg.intermediate_size) * cfg.n_layers
+  elif spec.mode == "predictor":
     pred = sum(4 * r * (cfg.hidden_size + cfg.intermediate_size) for r in spec.ranks)
   elif spec.mode == "oracle":
     pred = 2 * cfg.hidden_size * cfg.intermediate_size * cfg.n_layers * item

@@ -215,7 +215,8 @@ class Model:
   def configure_sparse(self, mode: str = "off", *, hot_ratio: float | None = None,
                        device_budget_gb: float | None = None, host_threads: int | None = None,
                        oracle_threshold: float | None = None, threshold_scale: float = 1.0,
-                       cut_offset: float = 0.0,
+                       cut_offset: float = 0.0, predictor_kind: str = "auto",
+                       prefill_dense_tokens: int = 0,
                        use_pallas: bool | None = None) -> None:
     """Selects dense ("off"), "oracle" or "predictor" execution of the FFNs.
 
@@ -225,8 +226,13 @@ class Model:
       device_budget_gb: re-place at load with the MILP for this device budget (1e9 bytes).
       host_threads: numba threads for the cold neurons.
       oracle_threshold: replaces the contribution thresholds in oracle mode (0 = all active).
-      threshold_scale: multiplies the contribution thresholds (oracle mode).
-      cut_offset: added to the predictor logit cuts (predictor mode; > 0 skips more).
+      threshold_scale: multiplies the contribution thresholds (oracle mode; in predictor mode
+        the low-bit predictor's cuts, which are those thresholds).
+      cut_offset: added to the MLP predictor logit cuts (predictor mode; > 0 skips more).
+      predictor_kind: "auto" (low-bit for SwiGLU/GeGLU, MLP for ReLU families), "mlp" or
+        "lowbit" (see `pijax.predictor`).
+      prefill_dense_tokens: forward passes over at least this many tokens compute every
+        neuron (0 = never); see `pijax.hybrid.SparseSpec`.
       use_pallas: force the Pallas kernel for the hot part of decode (default: on GPU).
 
     Raises:
@@ -251,8 +257,8 @@ class Model:
       hot_counts = self.replace(hot_ratio=hot_ratio, device_budget_gb=device_budget_gb)
     self.sparse_spec, self._hybrid_params = hybrid.build_hybrid(
         self, mode=mode, hot_counts=hot_counts, oracle_threshold=oracle_threshold,
-        threshold_scale=threshold_scale, cut_offset=cut_offset,
-        use_pallas=use_pallas)
+        threshold_scale=threshold_scale, cut_offset=cut_offset, predictor_kind=predictor_kind,
+        prefill_dense_tokens=prefill_dense_tokens, use_pallas=use_pallas)
 
   def replace(self, *, hot_ratio: float | None = None,
               device_budget_gb: float | None = None) -> list[int]:

@@ -45,8 +45,14 @@ class SparseSpec:
     mode: MODE_ORACLE or MODE_PREDICTOR.
     hot_counts: device-resident neurons per layer (the first hot_counts[l] stored neurons).
     host_handles: per layer, the host-op registry handle of the cold rows (-1: no cold rows).
-    ranks: per-layer predictor rank (mode predictor).
+    ranks: per-layer predictor rank (mode predictor, MLP predictors).
     use_pallas: compute the hot part of decode with the Pallas kernel (GPU only).
+    predictor_kind: "mlp" (fc2(relu(fc1(x)))) or "lowbit" (4-bit gate/up estimate), see
+      `pijax.predictor`.
+    prefill_dense_tokens: a forward pass over at least this many tokens (batch x sequence)
+      computes every neuron (no active-set selection); 0 = never. Over a prefill chunk the
+      union of the tokens' active sets is nearly every neuron, so selecting costs more than it
+      skips (measured switch point: BUILD_NOTES.md, issue 4).
   """
 
   mode: str
@@ -54,6 +60,8 @@ class SparseSpec:
   host_handles: tuple[int, ...]
   ranks: tuple[int, ...] = ()
   use_pallas: bool = False
+  predictor_kind: str = "mlp"
+  prefill_dense_tokens: int = 0
 
 
 def _host_cold_ffn(handle: int, h: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -82,8 +90,10 @@ class HybridFFN(nn.Module):
 
   Params (neuron-major, rows sorted by activation frequency):
     hot/{gate, up, down}: [n_hot, D] device-resident rows.
-    fc1: f32[D, r], fc2: f32[r, F], cut: f32[], rms_bound: f32[] (mode predictor; tokens
+    fc1: f32[D, r], fc2: f32[r, F], cut: f32[], rms_bound: f32[] (mode predictor, MLP; tokens
       with residual rms above rms_bound run dense, see `pijax.predictor.predict_active`).
+    gate_codes, up_codes: uint8[F, D/2], gate_scales, up_scales: f16[F, D/32], cut: f32[]
+      (mode predictor, low-bit: active when the estimated contribution >= cut).
     all/{gate, up}: [F, D] and threshold: f32[] (mode oracle: the true active set).
   """
 
@@ -99,23 +109,39 @@ class HybridFFN(nn.Module):
     f = cfg.intermediate_size
     n_hot = spec.hot_counts[self.layer]
     zeros = nn.initializers.zeros
+    # A pass over many tokens computes every neuron: the union of their active sets is
+    # nearly all of them (SparseSpec.prefill_dense_tokens).
+    dense = bool(spec.prefill_dense_tokens) and b * t >= spec.prefill_dense_tokens
+    g_all = u_all = None
     if spec.mode == MODE_ORACLE:
       gate_all = self.param("all_gate", zeros, (f, d), h.dtype)
       up_all = self.param("all_up", zeros, (f, d), h.dtype)
       threshold = self.param("threshold", zeros, (), jnp.float32)
-      g_all = jnp.einsum("BTD,FD->BTF", h, gate_all, preferred_element_type=jnp.float32)
-      u_all = jnp.einsum("BTD,FD->BTF", h, up_all, preferred_element_type=jnp.float32)
-      mask = sparsity.active_mask(g_all, u_all, cfg.ffn_family, threshold)  # [B, T, F]
+      if not dense:
+        g_all = jnp.einsum("BTD,FD->BTF", h, gate_all, preferred_element_type=jnp.float32)
+        u_all = jnp.einsum("BTD,FD->BTF", h, up_all, preferred_element_type=jnp.float32)
+        mask = sparsity.active_mask(g_all, u_all, cfg.ffn_family, threshold)  # [B, T, F]
+    elif spec.mode == MODE_PREDICTOR and spec.predictor_kind == predictor_lib.PREDICTOR_LOWBIT:
+      blocks = d // predictor_lib.LOWBIT_BLOCK
+      pred = {name: self.param(name, zeros, shape, dtype) for name, shape, dtype in (
+          ("gate_codes", (f, d // 2), jnp.uint8), ("gate_scales", (f, blocks), jnp.float16),
+          ("up_codes", (f, d // 2), jnp.uint8), ("up_scales", (f, blocks), jnp.float16))}
+      cut = self.param("cut", zeros, (), jnp.float32)
+      if not dense:
+        mask = predictor_lib.lowbit_contribution(pred, h, cfg.ffn_family) >= cut  # [B, T, F]
     elif spec.mode == MODE_PREDICTOR:
       rank = spec.ranks[self.layer]
       fc1 = self.param("fc1", zeros, (d, rank), jnp.float32)
       fc2 = self.param("fc2", zeros, (rank, f), jnp.float32)
       cut = self.param("cut", zeros, (), jnp.float32)
       rms_bound = self.param("rms_bound", zeros, (), jnp.float32)
-      mask = predictor_lib.predict_active({"fc1": fc1, "fc2": fc2}, cut,
-                                          x.astype(jnp.float32), rms_bound)  # [B, T, F]
+      if not dense:
+        mask = predictor_lib.predict_active({"fc1": fc1, "fc2": fc2}, cut,
+                                            x.astype(jnp.float32), rms_bound)  # [B, T, F]
     else:
       raise ValueError(f"unknown sparse mode {spec.mode!r}")
+    if dense:
+      mask = jnp.ones((b, t, f), bool)
     self.sow("intermediates", "active_fraction", jnp.mean(mask.astype(jnp.float32)))
     self.sow("masks", "mask", mask)  # Only kept when applied with mutable=[..., "masks"].
 
@@ -132,7 +158,7 @@ class HybridFFN(nn.Module):
         y = y + pallas_ffn.sparse_ffn(h.reshape(1, d), hot_gate, hot_up, hot_down, idx,
                                       family=cfg.ffn_family).reshape(b, t, d)
       else:
-        if spec.mode == MODE_ORACLE:  # Already computed for the mask (rows 0..n_hot).
+        if g_all is not None:  # Oracle: computed for the mask (rows 0..n_hot).
           g, u = g_all[..., :n_hot], u_all[..., :n_hot]
         else:
           g = jnp.einsum("BTD,ND->BTN", h, hot_gate, preferred_element_type=jnp.float32)
@@ -196,7 +222,8 @@ def hybrid_decode_step(params, cache, tokens, pos, *, config, kv_len, sparse):
 
 def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
                  oracle_threshold: float | None = None, use_pallas: bool | None = None,
-                 threshold_scale: float = 1.0, cut_offset: float = 0.0
+                 threshold_scale: float = 1.0, cut_offset: float = 0.0,
+                 predictor_kind: str = "auto", prefill_dense_tokens: int = 0
                  ) -> tuple[SparseSpec, dict[str, Any]]:
   """Device params and host registrations for a bundle-loaded model.
 
@@ -206,9 +233,11 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
     hot_counts: per-layer hot neurons (default: the bundle's placement).
     oracle_threshold: replaces every layer's contribution threshold in oracle mode (0 = every
       neuron active), for checking the split and merge.
-    threshold_scale: multiplies every layer's contribution threshold (oracle mode): > 1 skips
-      more neurons. For sparsity-perplexity curves.
-    cut_offset: added to every predictor logit cut (predictor mode): > 0 skips more neurons.
+    threshold_scale: multiplies every layer's contribution threshold (oracle mode, and the
+      low-bit predictor's cut, which is that threshold): > 1 skips more neurons.
+    cut_offset: added to every MLP predictor logit cut (predictor mode): > 0 skips more.
+    predictor_kind: "mlp", "lowbit", or "auto" (see `default_predictor_kind`).
+    prefill_dense_tokens: see `SparseSpec`.
     use_pallas: Pallas for the hot part of decode (default: when the backend is GPU).
 
   Returns:
@@ -225,6 +254,13 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
   if mode not in (MODE_ORACLE, MODE_PREDICTOR):
     raise ConfigError(f"--sparse={mode!r} must be one of {', '.join(MODES)}.")
   cfg = model.config
+  if predictor_kind == "auto":
+    predictor_kind = default_predictor_kind(cfg.ffn_family)
+  if predictor_kind not in predictor_lib.PREDICTOR_KINDS:
+    raise ConfigError(f"--predictor_kind={predictor_kind!r} must be auto, "
+                      f"{' or '.join(predictor_lib.PREDICTOR_KINDS)}.")
+  if int(prefill_dense_tokens) < 0:
+    raise ConfigError(f"--prefill_dense_tokens={prefill_dense_tokens} must be >= 0 (0 = never).")
   f = cfg.intermediate_size
   hot = list(model.sparse.hot_counts if hot_counts is None else hot_counts)
   if len(hot) != cfg.n_layers or any(not 0 <= int(n) <= f for n in hot):
@@ -248,6 +284,10 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
       t = (model.sparse.thresholds[i] * threshold_scale if oracle_threshold is None
            else oracle_threshold)
       ffn["threshold"] = jnp.asarray(t, jnp.float32)
+    elif predictor_kind == predictor_lib.PREDICTOR_LOWBIT:
+      ffn.update({k: jnp.asarray(v) for k, v in predictor_lib.lowbit_params(
+          np.asarray(rows["gate"], np.float32), np.asarray(rows["up"], np.float32)).items()})
+      ffn["cut"] = jnp.asarray(model.sparse.thresholds[i] * threshold_scale, jnp.float32)
     else:
       pred = model.sparse.predictors[f"layers_{i}"]
       ffn["fc1"] = jnp.asarray(pred["fc1"], jnp.float32)
@@ -268,5 +308,13 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
   ranks = tuple(int(model.sparse.predictors[f"layers_{i}"]["fc1"].shape[1])
                 for i in range(cfg.n_layers))
   spec = SparseSpec(mode=mode, hot_counts=tuple(int(n) for n in hot),
-                    host_handles=tuple(handles), ranks=ranks, use_pallas=bool(use_pallas))
+                    host_handles=tuple(handles), ranks=ranks, use_pallas=bool(use_pallas),
+                    predictor_kind=predictor_kind, prefill_dense_tokens=int(prefill_dense_tokens))
   return spec, params
+
+
+def default_predictor_kind(family: str) -> str:
+  """"mlp" for ReLU families (exact zeros: PowerInfer's predictors work), "lowbit" for
+  SwiGLU/GeGLU, whose contributions the MLP predictors could not rank (`pijax.predictor`)."""
+  return predictor_lib.PREDICTOR_MLP if sparsity.has_exact_zeros(family) else \
+      predictor_lib.PREDICTOR_LOWBIT

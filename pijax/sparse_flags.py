@@ -9,6 +9,9 @@ from absl import flags
 SPARSE = flags.DEFINE_enum("sparse", None, ["off", "oracle", "predictor"],
                            "FFN execution: off = dense; oracle = true active sets computed "
                            "densely (correctness); predictor = the predictors (the real thing).")
+# Forward passes over this many tokens or more compute every neuron (BUILD_NOTES.md, issue 4).
+DEFAULT_PREFILL_DENSE_TOKENS = 0
+
 HOT_RATIO = flags.DEFINE_float("hot_ratio", None, "Re-place at load: this fraction of each "
                                "layer's neurons is device-resident (overrides the bundle).")
 DEVICE_BUDGET_GB = flags.DEFINE_float("device_budget_gb", None,
@@ -19,8 +22,14 @@ ORACLE_THRESHOLD = flags.DEFINE_float("oracle_threshold", None, "Oracle mode: re
 
 THRESHOLD_SCALE = flags.DEFINE_float("threshold_scale", 1.0, "Oracle mode: multiply every "
                                      "layer's contribution threshold (sparsity-perplexity curves).")
-CUT_OFFSET = flags.DEFINE_float("cut_offset", 0.0, "Predictor mode: add to every logit cut "
-                                "(> 0 skips more neurons).")
+CUT_OFFSET = flags.DEFINE_float("cut_offset", 0.0, "Predictor mode, MLP predictors: add to "
+                                "every logit cut (> 0 skips more neurons).")
+PREDICTOR_KIND = flags.DEFINE_enum("predictor_kind", None, ["auto", "mlp", "lowbit"],
+                                   "Predictor mode: auto = lowbit (4-bit gate/up estimate) for "
+                                   "SwiGLU/GeGLU, mlp (fc2(relu(fc1 x))) for ReLU families.")
+PREFILL_DENSE_TOKENS = flags.DEFINE_integer(
+    "prefill_dense_tokens", None, "Sparse modes: passes over at least this many tokens compute "
+    "every neuron (0 = never; default: the measured switch point).")
 
 
 def configure(model, cfg: Any = None) -> None:
@@ -38,8 +47,13 @@ def configure(model, cfg: Any = None) -> None:
   hot_ratio = pick(HOT_RATIO, "hot_ratio")
   budget = pick(DEVICE_BUDGET_GB, "device_budget_gb")
   threads = pick(HOST_THREADS, "host_threads")
+  kind = pick(PREDICTOR_KIND, "predictor_kind") or "auto"
+  dense_tokens = pick(PREFILL_DENSE_TOKENS, "prefill_dense_tokens")
   if mode == "off" and model.sparse is None:
     return  # A plain GGUF runs dense; placement flags mean nothing there.
   model.configure_sparse(mode, hot_ratio=hot_ratio, device_budget_gb=budget,
                          host_threads=threads, oracle_threshold=ORACLE_THRESHOLD.value,
-                         threshold_scale=THRESHOLD_SCALE.value, cut_offset=CUT_OFFSET.value)
+                         threshold_scale=THRESHOLD_SCALE.value, cut_offset=CUT_OFFSET.value,
+                         predictor_kind=kind,
+                         prefill_dense_tokens=(DEFAULT_PREFILL_DENSE_TOKENS if dense_tokens is None
+                                               else dense_tokens))

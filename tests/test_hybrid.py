@@ -109,3 +109,49 @@ def test_sparse_mode_needs_a_bundle(smollm2):
     smollm2.configure_sparse("predictor")
   with pytest.raises(ConfigError):
     smollm2.configure_sparse("sometimes")
+
+
+@pytest.mark.parametrize("hot_ratio", [0.0, 0.3])
+def test_lowbit_predictor_masks_and_logits(bundle_model, prompt_ids, hf_model, hot_ratio):
+  """Low-bit predictor mode: the mask is the NumPy estimate >= cut, and the logits equal
+  transformers' dense model zeroing exactly the neurons the predictor skipped."""
+  import jax
+  import jax.numpy as jnp
+  from pijax import hybrid
+  from pijax import model as model_lib
+  from pijax import predictor as predictor_lib
+  bundle_model.configure_sparse("predictor", hot_ratio=hot_ratio, predictor_kind="lowbit")
+  assert bundle_model.sparse_spec.predictor_kind == "lowbit"
+  run = jax.jit(lambda p, t: hybrid.forward_with_masks(p, t, config=bundle_model.config,
+                                                       sparse=bundle_model.sparse_spec))
+  logits, masks = run(bundle_model._hybrid_params, jnp.asarray([prompt_ids], jnp.int32))
+  bundle_model.configure_sparse("off")
+  logits, masks = np.asarray(logits[0]), np.asarray(masks[:, 0])
+  assert 0.3 < 1.0 - masks.mean() < 0.7
+  ref = _masked_dense_oracle(hf_model, masks, bundle_model.sparse.perm, prompt_ids)
+  assert (logits.argmax(-1) == ref.argmax(-1)).all()
+  assert _rel(logits, ref) <= 1e-4
+  # The masks follow the independent NumPy estimate on each layer's FFN input (the sparse
+  # run's own residual stream, which differs from the dense run's after layer 0).
+  cfg = bundle_model.config
+  bundle_model.configure_sparse("predictor", hot_ratio=hot_ratio, predictor_kind="lowbit")
+  spec, hparams = bundle_model.sparse_spec, bundle_model._hybrid_params
+  bundle_model.configure_sparse("off")
+  t = len(prompt_ids)
+  _, state = jax.jit(lambda p, ids: model_lib.Transformer(cfg, t, spec).apply(
+      {"params": p}, ids, jnp.zeros((), jnp.int32), model_lib.init_cache(cfg, 1, t), None,
+      mutable=["intermediates"]))(hparams, jnp.asarray([prompt_ids], jnp.int32))
+  inputs = [np.asarray(state["intermediates"][f"layers_{i}"]["ffn_input"][0])[0]
+            for i in range(cfg.n_layers)]
+  for layer in (0, 14, 29):
+    p = bundle_model.params[f"layers_{layer}"]
+    x = inputs[layer].astype(np.float64)
+    h = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps)
+    h = h * np.asarray(p["ffn_norm"]["scale"], np.float64)
+    rows = bundle_model.sparse.ffn[f"layers_{layer}"]
+    params = predictor_lib.lowbit_params(np.asarray(rows["gate"]), np.asarray(rows["up"]))
+    est = predictor_lib.lowbit_contribution_reference(params, h, cfg.ffn_family)
+    cut = float(bundle_model.sparse.thresholds[layer])
+    clear = np.abs(est - cut) > 1e-4 * cut  # Float rounding may flip exact near-ties.
+    assert clear.mean() > 0.99
+    np.testing.assert_array_equal(masks[layer][clear], (est >= cut)[clear])

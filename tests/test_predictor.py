@@ -238,3 +238,50 @@ def test_bad_inputs_raise():
     pred.train_layer_predictor(x, active, np.full(100, pred.SPLIT_TEST, np.int8))
   with pytest.raises(ConfigError, match="recall_target"):
     pred.train_layer_predictor(x, active, split, recall_target=1.5)
+
+
+# ---------------------------------------------------------------------------------------
+# Low-bit (4-bit gate/up) predictor.
+
+
+def test_q4_quantization_round_trip_random():
+  from pijax import predictor as P
+  rng = np.random.default_rng(3)
+  rows = (rng.standard_t(4, size=(37, 96)) * rng.uniform(0.01, 2.0, size=(37, 1))).astype(np.float32)
+  rows[5, :32] = 0.0  # An all-zero block: scale 0, codes decode to 0.
+  codes, scales = P.quantize_rows_q4(rows)
+  assert codes.shape == (37, 48) and codes.dtype == np.uint8
+  assert scales.shape == (37, 3) and scales.dtype == np.float16
+  lo, hi = codes & 15, codes >> 4
+  assert lo.min() >= 1 and lo.max() <= 15 and hi.min() >= 1 and hi.max() <= 15
+  deq = np.asarray(P.dequantize_rows_q4(codes, scales))
+  s = np.repeat(scales.astype(np.float32), 32, axis=1)
+  # Round-to-nearest: error <= half a step, plus the f16 rounding of the scale (7 steps max).
+  assert (np.abs(deq - rows) <= 0.5 * s + 7 * s * 2.0 ** -10 + 1e-7).all()
+  np.testing.assert_array_equal(deq[5, :32], 0.0)
+
+
+@pytest.mark.parametrize("family", ["swiglu", "reglu", "drelu"])
+def test_lowbit_contribution_matches_numpy_reference(family):
+  from pijax import predictor as P
+  rng = np.random.default_rng(4)
+  gate = rng.normal(size=(50, 64)).astype(np.float32)
+  up = rng.normal(size=(50, 64)).astype(np.float32)
+  params = P.lowbit_params(gate, up)
+  h = rng.normal(size=(2, 7, 64)).astype(np.float32)
+  got = np.asarray(P.lowbit_contribution(params, h, family))
+  want = P.lowbit_contribution_reference(params, h.reshape(-1, 64), family).reshape(2, 7, 50)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+  # And it estimates the exact contribution: rank correlation well above chance.
+  g, u = h.reshape(-1, 64) @ gate.T, h.reshape(-1, 64) @ up.T
+  exact = {"swiglu": np.abs(g / (1 + np.exp(-g)) * u), "reglu": np.abs(np.maximum(g, 0) * u),
+           "drelu": np.maximum(g, 0) * np.maximum(u, 0)}[family]
+  assert np.corrcoef(exact.ravel(), want.ravel())[0, 1] > 0.9
+  assert P.lowbit_bytes(64, 50) == 2 * (50 * 32 + 50 * 2 * 2)
+
+
+def test_lowbit_needs_hidden_multiple_of_block():
+  from pijax import predictor as P
+  from pijax.errors import ConfigError
+  with pytest.raises(ConfigError, match="divisible by 32"):
+    P.quantize_rows_q4(np.ones((4, 40), np.float32))

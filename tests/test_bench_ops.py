@@ -1,0 +1,187 @@
+"""pijax.bench_ops: power-law active sets, the measuring functions and the CLI on tiny settings.
+
+No speed assertions (the machine may be shared); the CLI runs use a small cold target and memory
+cap so each takes a few seconds.
+"""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pijax import bench_ops as bo
+from pijax.errors import ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ("--shapes=smollm2-135m", "--seconds=0.05", "--cold_mb=32", "--max_gb=0.2")
+ROW_KEYS = {"op", "format", "shape", "hidden", "intermediate", "sparsity", "active_neurons",
+            "bytes_read", "time_s", "gb_s", "vs_dense", "calls", "copies", "reuse_mb", "flush_mb",
+            "from_dram", "time_s_min"}
+
+
+def _run(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "pijax.bench_ops", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.8, 0.9, 0.95])
+def test_power_law_probs_hit_the_expected_sparsity(sparsity):
+  n = 11008
+  p = bo.power_law_probs(n, sparsity)
+  assert p.shape == (n,) and p.max() <= 1.0 and p.min() > 0.0
+  assert np.all(np.diff(p) <= 0)  # Sorted by frequency: neuron 0 the hottest.
+  np.testing.assert_allclose(p.sum(), (1 - sparsity) * n, rtol=1e-9)
+
+
+def test_power_law_active_sparsity_and_skew():
+  n = 200_000
+  rng = np.random.default_rng(0)
+  for sparsity in (0.5, 0.9):
+    ids = bo.power_law_active(n, sparsity, rng)
+    assert ids.dtype == np.int32 and np.all(np.diff(ids) > 0) and ids.max() < n
+    assert abs(1 - len(ids) / n - sparsity) < 0.005
+  active = np.zeros(n, bool)
+  active[bo.power_law_active(n, 0.9, rng)] = True
+  first, last = active[:n // 10].mean(), active[-(n // 10):].mean()
+  assert first > 10 * last  # Skewed: the first decile fires far more often than the last.
+  # alpha = 0: every neuron with the same probability.
+  np.testing.assert_allclose(bo.power_law_probs(100, 0.9, alpha=0.0), 0.1)
+
+
+def test_power_law_active_empty_and_full():
+  rng = np.random.default_rng(1)
+  empty = bo.power_law_active(1000, 1.0, rng)
+  assert empty.dtype == np.int32 and empty.shape == (0,)
+  np.testing.assert_array_equal(bo.power_law_active(1000, 0.0, rng), np.arange(1000))
+  assert bo.power_law_active(0, 0.5, rng).shape == (0,)
+  with pytest.raises(ValueError):
+    bo.power_law_probs(10, 1.5)
+
+
+def test_draw_sets_reproducible():
+  a = bo.draw_sets(1536, 0.9, 1.0, seed=3)
+  b = bo.draw_sets(1536, 0.9, 1.0, seed=3)
+  c = bo.draw_sets(1536, 0.9, 1.0, seed=4)
+  assert len(a) == bo.ID_SETS
+  assert all(np.array_equal(x, y) for x, y in zip(a, b))
+  assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+
+
+def test_plan_copies_and_bytes():
+  assert bo.bytes_per_neuron(4096, "f32") == 3 * 4096 * 4
+  assert bo.bytes_per_neuron(4096, "q8") == 3 * 4096 * 1.125
+  assert bo.bytes_per_neuron(4096, "bf16") == 3 * 4096 * 2
+  # Enough copies for the cold target, capped by the pool, at least one.
+  assert bo.plan_copies(100, 10, 95, 10_000) == 10
+  assert bo.plan_copies(100, 10, 95, 350) == 3
+  assert bo.plan_copies(1000, 10, 95, 500) == 1
+  assert bo.plan_copies(100, 10, 95, 10_000, max_copies=4) == 4
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8"])
+def test_host_layer_copies_and_bench_host(fmt):
+  d, n, copies = 64, 40, 3
+  w = bo.host_layer_copies(d, n, fmt, copies, seed=0)
+  assert (w.n, w.d, w.weight_format) == (copies * n, d, fmt)
+  gate = w.gate if fmt == "f32" else w.gate.q
+  np.testing.assert_array_equal(gate[2 * n:3 * n], gate[:n])  # Copies hold the same layer.
+  x = np.random.default_rng(0).standard_normal(d).astype(np.float32)
+  ids = np.array([0, 5, 39], np.int32)
+  np.testing.assert_array_equal(w(x, ids + 2 * n), w(x, ids))
+  np.testing.assert_allclose(w(x, ids), w.reference(x, ids), rtol=1e-4, atol=1e-5)
+
+  sets = bo.draw_sets(n, 0.5, 1.0, seed=0, count=4)
+  m = bo.bench_host(w, n, copies, sets, seconds=0.02, cold_bytes=1e6,
+                    flusher=bo.CacheFlusher(int(1e6)))
+  assert m["calls"] >= bo.MIN_CALLS and m["time_s"] > 0 and m["time_s_min"] <= m["time_s"]
+  assert m["bytes_read"] == pytest.approx(m["active_neurons"] * w.bytes_per_neuron)
+  assert m["gb_s"] == pytest.approx(m["bytes_read"] / m["time_s"] / 1e9)
+  assert m["from_dram"] and m["reuse_mb"] == pytest.approx(1.0)  # The flush fills the gap.
+
+
+def test_bench_pallas_interpret():
+  d, n, copies = 64, 96, 2
+  w = bo.pallas_layer_copies(d, n, "bf16", copies, seed=0)
+  assert w[0].shape == (copies * n, d) and w[0].dtype.name == "bfloat16"
+  sets = bo.draw_sets(n, 0.5, 1.0, seed=0, count=4)
+  m = bo.bench_pallas(w, n, copies, sets, seconds=0.02, cold_bytes=1e9, interpret=True)
+  assert m["calls"] >= bo.PALLAS_LOOPS * max(copies, len(sets)) and m["time_s"] > 0
+  assert m["bytes_read"] == pytest.approx(m["active_neurons"] * 3 * d * 2)
+  assert not m["from_dram"]  # 2 tiny copies never reach a 1 GB reuse distance.
+
+
+def _row(**kw):
+  base = dict(op="host", format="f32", shape="llama2-7b", hidden=4096, intermediate=11008,
+              sparsity=0.0, active_neurons=11008, bytes_read=5.4e8, time_s=0.05, gb_s=10.8,
+              time_s_min=0.05, calls=20, copies=9, reuse_mb=4800, flush_mb=0, from_dram=True)
+  base.update(kw)
+  return bo.Row(**base)
+
+
+def test_format_markdown_and_vs_dense():
+  rows = bo.add_vs_dense([_row(), _row(sparsity=0.9, gb_s=8.1, time_s=6.7e-3),
+                          _row(format="q8", sparsity=0.9, gb_s=5.0)])
+  assert rows[1].vs_dense == pytest.approx(0.75) and rows[2].vs_dense is None
+  text = bo.format_markdown(rows).splitlines()
+  assert text[0] == bo.MD_HEADER
+  assert text[2] == ("| host | f32 | llama2-7b | 4096 | 11008 | 0% | 11008 | 50.00 ms | 10.80 "
+                     "| 100% |")
+  assert text[3].endswith("| 90% | 11008 | 6700.0 us | 8.10 | 75% |")
+  assert text[4].endswith("| 5.00 | - |")
+
+
+def test_parse_options_errors():
+  ok = dict(shapes="smollm2-135m", sparsities="0,90", formats="f32", ops="host", threads=1,
+            seconds=0.1, output="md")
+  opts = bo.parse_options(**ok)
+  assert opts.sparsities == [0.0, 0.9] and opts.ops == ["host"]
+  assert bo.parse_options(**dict(ok, ops="auto"), backend="gpu").ops == ["host", "pallas"]
+  for bad in (dict(sparsities="120"), dict(sparsities="x"), dict(sparsities="-5"),
+              dict(shapes="nope"), dict(shapes=""), dict(formats="q4"), dict(formats="bf16"),
+              dict(ops="pallas"), dict(ops="gpu"), dict(threads=0), dict(threads=10_000),
+              dict(seconds=0), dict(output="csv"), dict(shapes="llama2-70b", formats="f32")):
+    with pytest.raises(ConfigError) as err:
+      bo.parse_options(**dict(ok, **bad), max_gb=1.0)
+    assert "\n" not in str(err.value)
+
+
+def test_cli_markdown():
+  proc = _run(*TINY, "--sparsities=0,90", "--formats=f32")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = proc.stdout.splitlines()
+  assert lines[0].startswith("machine: ") and "cores" in lines[0] and "numba" in lines[0]
+  assert bo.MD_HEADER in lines
+  rows = [line for line in lines if line.startswith("| host ")]
+  assert len(rows) == 2
+  assert rows[0].startswith("| host | f32 | smollm2-135m | 576 | 1536 | 0% | 1536 |")
+  assert rows[0].endswith("| 100% |")
+  assert re.match(r"\| host \| f32 \| smollm2-135m \| 576 \| 1536 \| 90% \| \d+ \| [0-9.]+ (us|ms) "
+                  r"\| [0-9.]+ \| \d+% \|$", rows[1]), rows[1]
+
+
+def test_cli_json():
+  proc = _run(*TINY, "--sparsities=90", "--formats=f32,q8", "--ops=host", "-o", "json",
+              "--noprogress")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  doc = json.loads(proc.stdout)
+  assert {"machine", "settings", "rows"} <= set(doc)
+  assert {"cpu", "cores", "l3_bytes", "numba", "threads"} <= set(doc["machine"])
+  assert [(r["format"], r["sparsity"]) for r in doc["rows"]] == [("f32", 0.9), ("q8", 0.9)]
+  for r in doc["rows"]:
+    assert set(r) == ROW_KEYS and r["op"] == "host" and r["vs_dense"] is None
+    assert r["gb_s"] > 0 and r["from_dram"]
+
+
+@pytest.mark.parametrize("flag", ["--sparsities=120", "--shapes=nope", "--threads=abc"])
+def test_cli_bad_flags(flag):
+  proc = _run(flag)
+  assert proc.returncode == 2
+  err = proc.stderr.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("pijax.bench_ops: error:"), proc.stderr
+  assert "Traceback" not in proc.stderr and proc.stdout == ""
