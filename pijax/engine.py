@@ -216,7 +216,7 @@ class Model:
                        device_budget_gb: float | None = None, host_threads: int | None = None,
                        oracle_threshold: float | None = None, threshold_scale: float = 1.0,
                        cut_offset: float = 0.0, predictor_kind: str = "auto",
-                       prefill_dense_tokens: int = 0,
+                       prefill_dense_tokens: int = 0, overlap: bool = False,
                        use_pallas: bool | None = None) -> None:
     """Selects dense ("off"), "oracle" or "predictor" execution of the FFNs.
 
@@ -233,6 +233,8 @@ class Model:
         "lowbit" (see `pijax.predictor`).
       prefill_dense_tokens: forward passes over at least this many tokens compute every
         neuron (0 = never); see `pijax.hybrid.SparseSpec`.
+      overlap: run the host part in a worker thread concurrently with the device's hot part
+        (two callbacks per layer); see `pijax.hybrid.SparseSpec`.
       use_pallas: force the Pallas kernel for the hot part of decode (default: on GPU).
 
     Raises:
@@ -258,7 +260,7 @@ class Model:
     self.sparse_spec, self._hybrid_params = hybrid.build_hybrid(
         self, mode=mode, hot_counts=hot_counts, oracle_threshold=oracle_threshold,
         threshold_scale=threshold_scale, cut_offset=cut_offset, predictor_kind=predictor_kind,
-        prefill_dense_tokens=prefill_dense_tokens, use_pallas=use_pallas)
+        prefill_dense_tokens=prefill_dense_tokens, overlap=overlap, use_pallas=use_pallas)
 
   def replace(self, *, hot_ratio: float | None = None,
               device_budget_gb: float | None = None) -> list[int]:

@@ -25,8 +25,13 @@ from pijax.profile import layer_active
 
 
 def evaluate_predictors(model, text: str, *, max_tokens: int = 8192, chunk_len: int = 512,
+                        predictor_kind: str = "mlp", threshold_scale: float = 1.0,
                         progress: bool = True) -> list[dict[str, float]]:
   """Per-layer {recall, precision, predicted_sparsity, true_sparsity} of a bundle on `text`.
+
+  predictor_kind: "mlp" (the bundle's trained predictors at their cuts) or "lowbit" (the 4-bit
+  gate/up estimate at cut = threshold_scale x the layer's contribution threshold; see
+  `pijax.predictor`). The true active sets always use the unscaled thresholds.
 
   Raises:
     ConfigError: the model is not a bundle, or the text is shorter than one chunk.
@@ -38,6 +43,18 @@ def evaluate_predictors(model, text: str, *, max_tokens: int = 8192, chunk_len: 
   n_chunks = len(ids) // chunk_len
   if n_chunks == 0:
     raise ConfigError(f"the text has {len(ids)} tokens, fewer than one chunk ({chunk_len}).")
+  if predictor_kind == "auto":
+    from pijax import hybrid
+    predictor_kind = hybrid.default_predictor_kind(cfg.ffn_family)
+  if predictor_kind not in predictor_lib.PREDICTOR_KINDS:
+    raise ConfigError(f"--predictor_kind={predictor_kind!r} must be auto, mlp or lowbit.")
+  lowbit = {}
+  if predictor_kind == predictor_lib.PREDICTOR_LOWBIT:
+    for layer in range(cfg.n_layers):
+      rows = model.sparse.ffn[f"layers_{layer}"]
+      lowbit[layer] = predictor_lib.lowbit_params(np.asarray(rows["gate"], np.float32),
+                                                  np.asarray(rows["up"], np.float32))
+  estimate = jax.jit(functools.partial(predictor_lib.lowbit_contribution, family=cfg.ffn_family))
   run = jax.jit(functools.partial(model_lib.ffn_inputs, config=cfg))
   stats = np.zeros((cfg.n_layers, 4), np.int64)  # tp, predicted, true, total
   for c in tqdm(range(n_chunks), desc="evaluate predictors", disable=not progress):
@@ -46,9 +63,16 @@ def evaluate_predictors(model, text: str, *, max_tokens: int = 8192, chunk_len: 
     for layer in range(cfg.n_layers):
       true = layer_active(model.params, cfg, layer, inputs[layer],
                           float(model.sparse.thresholds[layer]))
-      pred = np.asarray(predictor_lib.predict_active(
-          model.sparse.predictors[f"layers_{layer}"], float(model.sparse.cuts[layer]),
-          jnp.asarray(inputs[layer]), float(model.sparse.rms_bounds[layer])))
+      if lowbit:
+        p = model.params[f"layers_{layer}"]
+        h = model_lib.rms_norm(jnp.asarray(inputs[layer]), p["ffn_norm"]["scale"],
+                               cfg.rms_norm_eps)
+        cut = float(model.sparse.thresholds[layer]) * threshold_scale
+        pred = np.asarray(estimate(lowbit[layer], h)) >= cut
+      else:
+        pred = np.asarray(predictor_lib.predict_active(
+            model.sparse.predictors[f"layers_{layer}"], float(model.sparse.cuts[layer]),
+            jnp.asarray(inputs[layer]), float(model.sparse.rms_bounds[layer])))
       stats[layer] += [(pred & true).sum(), pred.sum(), true.sum(), true.size]
   out = []
   for tp, pred, true, total in stats:
@@ -59,11 +83,14 @@ def evaluate_predictors(model, text: str, *, max_tokens: int = 8192, chunk_len: 
   return out
 
 
-def format_table(rows: list[dict[str, float]], manifest: dict[str, Any]) -> str:
-  lines = ["| layer | rank | recall | precision | pred. sparsity | true sparsity |",
+def format_table(rows: list[dict[str, float]], manifest: dict[str, Any],
+                 predictor_kind: str = "mlp") -> str:
+  lines = ["| layer | predictor | recall | precision | pred. sparsity | true sparsity |",
            "|---|---|---|---|---|---|"]
   for i, r in enumerate(rows):
-    lines.append(f"| {i} | {manifest['layers'][i]['predictor_rank']} | {r['recall']:.3f} | "
+    kind = (f"rank {manifest['layers'][i]['predictor_rank']}" if predictor_kind == "mlp"
+            else predictor_kind)
+    lines.append(f"| {i} | {kind} | {r['recall']:.3f} | "
                  f"{r['precision']:.3f} | {r['predicted_sparsity']:.3f} | "
                  f"{r['true_sparsity']:.3f} |")
   mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
@@ -83,8 +110,13 @@ def main(argv: list[str]) -> None:
       text = fh.read()
   except (OSError, UnicodeDecodeError) as err:
     raise ConfigError(f"{f.text}: cannot read text ({err}).") from None
-  rows = evaluate_predictors(model, text, max_tokens=f.max_tokens, chunk_len=f.chunk_len)
-  sys.stdout.write(format_table(rows, model.sparse.manifest) + "\n")
+  kind = f.predictor_kind
+  if kind == "auto":
+    from pijax import hybrid
+    kind = hybrid.default_predictor_kind(model.config.ffn_family)
+  rows = evaluate_predictors(model, text, max_tokens=f.max_tokens, chunk_len=f.chunk_len,
+                             predictor_kind=kind, threshold_scale=f.threshold_scale)
+  sys.stdout.write(format_table(rows, model.sparse.manifest, kind) + "\n")
 
 
 if __name__ == "__main__":
@@ -94,4 +126,7 @@ if __name__ == "__main__":
   flags.DEFINE_string("text", None, "Evaluation text file.", required=True)
   flags.DEFINE_integer("max_tokens", 8192, "Tokens to evaluate.")
   flags.DEFINE_integer("chunk_len", 512, "Tokens per chunk.")
+  flags.DEFINE_enum("predictor_kind", "auto", ["auto", "mlp", "lowbit"],
+                    "Predictor to evaluate (auto: lowbit for SwiGLU/GeGLU, else mlp).")
+  flags.DEFINE_float("threshold_scale", 1.0, "Low-bit predictor: cut = this x the threshold.")
   cli.run(main, "pijax.eval_predictors")

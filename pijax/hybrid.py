@@ -49,6 +49,10 @@ class SparseSpec:
     use_pallas: compute the hot part of decode with the Pallas kernel (GPU only).
     predictor_kind: "mlp" (fc2(relu(fc1(x)))) or "lowbit" (4-bit gate/up estimate), see
       `pijax.predictor`.
+    overlap: run the host part concurrently with the device's hot part: a first callback
+      hands (h, ids) to a worker thread and returns at once, the device computes the hot
+      part, and a second callback (which depends on the hot result) collects the host
+      partial. Two callbacks per layer instead of one; measured in BUILD_NOTES.md (issue 4).
     prefill_dense_tokens: a forward pass over at least this many tokens (batch x sequence)
       computes every neuron (no active-set selection); 0 = never. Over a prefill chunk the
       union of the tokens' active sets is nearly every neuron, so selecting costs more than it
@@ -62,6 +66,7 @@ class SparseSpec:
   use_pallas: bool = False
   predictor_kind: str = "mlp"
   prefill_dense_tokens: int = 0
+  overlap: bool = False
 
 
 def _host_cold_ffn(handle: int, h: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -71,18 +76,64 @@ def _host_cold_ffn(handle: int, h: np.ndarray, ids: np.ndarray) -> np.ndarray:
                                        np.asarray(ids, np.int32)), np.float32)
 
 
-def cold_partial(handle: int, h: jax.Array, cold_mask: jax.Array) -> jax.Array:
+def cold_partial(handle: int, h: jax.Array, cold_mask: jax.Array | None,
+                 n_cold: int = 0) -> jax.Array:
   """Host partial FFN output via one pure_callback.
 
-  h: f32[N, D] normed FFN input; cold_mask: bool[N, C] active cold neurons (local ids).
-  Returns f32[N, D]. Indices are passed uncompacted (-1 where inactive): the host op skips
-  them, and no sort or compaction runs on the device.
+  h: f32[N, D] normed FFN input; cold_mask: bool[N, C] active cold neurons (local ids), or None
+  for every one of the n_cold neurons (one shared id list: the host op reads each row once
+  for all N rows). Returns f32[N, D]. Indices are passed uncompacted (-1 where inactive): the
+  host op skips them, and no sort or compaction runs on the device.
   """
   n, d = h.shape
-  ids = jnp.where(cold_mask, jnp.arange(cold_mask.shape[-1], dtype=jnp.int32), -1)
+  ids = _cold_ids(cold_mask, n_cold)
   return jax.pure_callback(functools.partial(_host_cold_ffn, handle),
                            jax.ShapeDtypeStruct((n, d), jnp.float32),
                            h.astype(jnp.float32), ids, vmap_method="sequential")
+
+
+_WORKER = None  # concurrent.futures.ThreadPoolExecutor(1), created on first overlapped call.
+_PENDING: dict[int, Any] = {}  # handle -> Future of the host partial in flight.
+
+
+def _host_cold_start(handle: int, h: np.ndarray, ids: np.ndarray) -> np.ndarray:
+  """First callback of the overlapped variant: start the host partial, return at once."""
+  global _WORKER
+  from concurrent import futures
+  from host_ops import sparse_ffn as host_ffn
+  if _WORKER is None:
+    _WORKER = futures.ThreadPoolExecutor(1, thread_name_prefix="pijax-host-ffn")
+  # Copies: the callback's operand buffers are not ours after we return.
+  h, ids = np.array(h, np.float32), np.array(ids, np.int32)
+  _PENDING[handle] = _WORKER.submit(host_ffn.run_layer, handle, h, ids)
+  return np.zeros((), np.int32)
+
+
+def _host_cold_finish(handle: int, ticket: np.ndarray, after: np.ndarray) -> np.ndarray:
+  """Second callback: wait for the host partial started by `_host_cold_start`."""
+  del ticket, after  # Data dependencies only: order this call after the start and the hot part.
+  return np.asarray(_PENDING.pop(handle).result(), np.float32)
+
+
+def cold_partial_start(handle: int, h: jax.Array, ids: jax.Array) -> jax.Array:
+  """Overlapped variant, part 1: i32[] ticket; the host partial runs in a worker thread."""
+  return jax.pure_callback(functools.partial(_host_cold_start, handle),
+                           jax.ShapeDtypeStruct((), jnp.int32), h.astype(jnp.float32), ids,
+                           vmap_method="sequential")
+
+
+def cold_partial_finish(handle: int, ticket: jax.Array, after: jax.Array, n: int,
+                        d: int) -> jax.Array:
+  """Overlapped variant, part 2: f32[n, d] host partial, ordered after `after` (hot result)."""
+  return jax.pure_callback(functools.partial(_host_cold_finish, handle),
+                           jax.ShapeDtypeStruct((n, d), jnp.float32), ticket, after,
+                           vmap_method="sequential")
+
+
+def _cold_ids(cold_mask: jax.Array | None, n_cold: int) -> jax.Array:
+  if cold_mask is None:
+    return jnp.arange(n_cold, dtype=jnp.int32)
+  return jnp.where(cold_mask, jnp.arange(cold_mask.shape[-1], dtype=jnp.int32), -1)
 
 
 class HybridFFN(nn.Module):
@@ -145,6 +196,14 @@ class HybridFFN(nn.Module):
     self.sow("intermediates", "active_fraction", jnp.mean(mask.astype(jnp.float32)))
     self.sow("masks", "mask", mask)  # Only kept when applied with mutable=[..., "masks"].
 
+    ticket = None
+    if n_hot < f and spec.overlap:  # Start the host part before the device's hot part.
+      cold_ids = _cold_ids(None if dense else mask[..., n_hot:].reshape(b * t, f - n_hot),
+                           f - n_hot)
+      ticket = cold_partial_start(spec.host_handles[self.layer], h.reshape(b * t, d), cold_ids)
+      h_dev, ticket = jax.lax.optimization_barrier((h, ticket))  # Hot part after the start.
+    else:
+      h_dev = h
     y = jnp.zeros((b, t, d), jnp.float32)
     if n_hot:
       hot_gate = self.param("hot_gate", zeros, (n_hot, d), h.dtype)
@@ -155,20 +214,24 @@ class HybridFFN(nn.Module):
         from pallas_kernels import sparse_ffn as pallas_ffn
         size = pallas_ffn.next_pow2(n_hot)
         idx = jnp.nonzero(hot_mask.reshape(-1), size=size, fill_value=-1)[0].astype(jnp.int32)
-        y = y + pallas_ffn.sparse_ffn(h.reshape(1, d), hot_gate, hot_up, hot_down, idx,
+        y = y + pallas_ffn.sparse_ffn(h_dev.reshape(1, d), hot_gate, hot_up, hot_down, idx,
                                       family=cfg.ffn_family).reshape(b, t, d)
       else:
         if g_all is not None:  # Oracle: computed for the mask (rows 0..n_hot).
           g, u = g_all[..., :n_hot], u_all[..., :n_hot]
         else:
-          g = jnp.einsum("BTD,ND->BTN", h, hot_gate, preferred_element_type=jnp.float32)
-          u = jnp.einsum("BTD,ND->BTN", h, hot_up, preferred_element_type=jnp.float32)
+          g = jnp.einsum("BTD,ND->BTN", h_dev, hot_gate, preferred_element_type=jnp.float32)
+          u = jnp.einsum("BTD,ND->BTN", h_dev, hot_up, preferred_element_type=jnp.float32)
         a = model_lib.ffn_activation(g, u, cfg.ffn_family) * hot_mask
         y = y + jnp.einsum("BTN,ND->BTD", a.astype(h.dtype), hot_down,
                            preferred_element_type=jnp.float32)
     if n_hot < f:
-      y_host = cold_partial(spec.host_handles[self.layer], h.reshape(b * t, d),
-                            mask[..., n_hot:].reshape(b * t, f - n_hot))
+      if ticket is not None:
+        y_host = cold_partial_finish(spec.host_handles[self.layer], ticket, y, b * t, d)
+      else:
+        y_host = cold_partial(spec.host_handles[self.layer], h.reshape(b * t, d),
+                              None if dense else mask[..., n_hot:].reshape(b * t, f - n_hot),
+                              f - n_hot)
       y = y + y_host.reshape(b, t, d)
     return y.astype(h.dtype)
 
@@ -223,8 +286,8 @@ def hybrid_decode_step(params, cache, tokens, pos, *, config, kv_len, sparse):
 def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
                  oracle_threshold: float | None = None, use_pallas: bool | None = None,
                  threshold_scale: float = 1.0, cut_offset: float = 0.0,
-                 predictor_kind: str = "auto", prefill_dense_tokens: int = 0
-                 ) -> tuple[SparseSpec, dict[str, Any]]:
+                 predictor_kind: str = "auto", prefill_dense_tokens: int = 0,
+                 overlap: bool = False) -> tuple[SparseSpec, dict[str, Any]]:
   """Device params and host registrations for a bundle-loaded model.
 
   Args:
@@ -237,7 +300,7 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
       low-bit predictor's cut, which is that threshold): > 1 skips more neurons.
     cut_offset: added to every MLP predictor logit cut (predictor mode): > 0 skips more.
     predictor_kind: "mlp", "lowbit", or "auto" (see `default_predictor_kind`).
-    prefill_dense_tokens: see `SparseSpec`.
+    prefill_dense_tokens, overlap: see `SparseSpec`.
     use_pallas: Pallas for the hot part of decode (default: when the backend is GPU).
 
   Returns:
@@ -309,7 +372,8 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
                 for i in range(cfg.n_layers))
   spec = SparseSpec(mode=mode, hot_counts=tuple(int(n) for n in hot),
                     host_handles=tuple(handles), ranks=ranks, use_pallas=bool(use_pallas),
-                    predictor_kind=predictor_kind, prefill_dense_tokens=int(prefill_dense_tokens))
+                    predictor_kind=predictor_kind, prefill_dense_tokens=int(prefill_dense_tokens),
+                    overlap=bool(overlap))
   return spec, params
 
 

@@ -27,6 +27,8 @@ CUT_OFFSET = flags.DEFINE_float("cut_offset", 0.0, "Predictor mode, MLP predicto
 PREDICTOR_KIND = flags.DEFINE_enum("predictor_kind", None, ["auto", "mlp", "lowbit"],
                                    "Predictor mode: auto = lowbit (4-bit gate/up estimate) for "
                                    "SwiGLU/GeGLU, mlp (fc2(relu(fc1 x))) for ReLU families.")
+OVERLAP = flags.DEFINE_bool("overlap", None, "Sparse modes: run the host (cold) part in a worker "
+                            "thread while the device computes the hot part (2 callbacks/layer).")
 PREFILL_DENSE_TOKENS = flags.DEFINE_integer(
     "prefill_dense_tokens", None, "Sparse modes: passes over at least this many tokens compute "
     "every neuron (0 = never; default: the measured switch point).")
@@ -54,6 +56,6 @@ def configure(model, cfg: Any = None) -> None:
   model.configure_sparse(mode, hot_ratio=hot_ratio, device_budget_gb=budget,
                          host_threads=threads, oracle_threshold=ORACLE_THRESHOLD.value,
                          threshold_scale=THRESHOLD_SCALE.value, cut_offset=CUT_OFFSET.value,
-                         predictor_kind=kind,
+                         predictor_kind=kind, overlap=bool(pick(OVERLAP, "overlap")),
                          prefill_dense_tokens=(DEFAULT_PREFILL_DENSE_TOKENS if dense_tokens is None
                                                else dense_tokens))
