@@ -199,6 +199,16 @@ class HostFFNWeights:
     self.family = family
     self.weight_format = weight_format
     self.n, self.d = n, d
+    self.lowbit = None  # host_ops.lowbit.LowbitPredictor of these rows, for run_predicted.
+
+  def run_predicted(self, x) -> tuple[np.ndarray, np.ndarray]:
+    """Predict-and-compute with `self.lowbit` (f32 rows only): x f32[b, D] ->
+    (y: f32[b, D], active: i64[b]); see `host_ops.lowbit`."""
+    from host_ops import lowbit
+    if self.lowbit is None or self.weight_format != WEIGHT_F32:
+      raise HostOpError("run_predicted needs f32 rows with a low-bit predictor attached")
+    return lowbit.lowbit_sparse_ffn_host(self.lowbit, self.gate, self.up, self.down, x,
+                                         self.family)
 
   @property
   def nbytes(self) -> int:

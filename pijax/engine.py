@@ -217,6 +217,7 @@ class Model:
                        oracle_threshold: float | None = None, threshold_scale: float = 1.0,
                        cut_offset: float = 0.0, predictor_kind: str = "auto",
                        prefill_dense_tokens: int = 0, overlap: bool = False,
+                       host_predict: bool | None = None,
                        use_pallas: bool | None = None) -> None:
     """Selects dense ("off"), "oracle" or "predictor" execution of the FFNs.
 
@@ -235,6 +236,8 @@ class Model:
         neuron (0 = never); see `pijax.hybrid.SparseSpec`.
       overlap: run the host part in a worker thread concurrently with the device's hot part
         (two callbacks per layer); see `pijax.hybrid.SparseSpec`.
+      host_predict: low-bit predictor: the host predicts its own neurons in its callback
+        (default on); see `pijax.hybrid.SparseSpec`.
       use_pallas: force the Pallas kernel for the hot part of decode (default: on GPU).
 
     Raises:
@@ -260,7 +263,8 @@ class Model:
     self.sparse_spec, self._hybrid_params = hybrid.build_hybrid(
         self, mode=mode, hot_counts=hot_counts, oracle_threshold=oracle_threshold,
         threshold_scale=threshold_scale, cut_offset=cut_offset, predictor_kind=predictor_kind,
-        prefill_dense_tokens=prefill_dense_tokens, overlap=overlap, use_pallas=use_pallas)
+        prefill_dense_tokens=prefill_dense_tokens, overlap=overlap, host_predict=host_predict,
+        use_pallas=use_pallas)
 
   def replace(self, *, hot_ratio: float | None = None,
               device_budget_gb: float | None = None) -> list[int]:

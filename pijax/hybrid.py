@@ -53,6 +53,10 @@ class SparseSpec:
       hands (h, ids) to a worker thread and returns at once, the device computes the hot
       part, and a second callback (which depends on the hot result) collects the host
       partial. Two callbacks per layer instead of one; measured in BUILD_NOTES.md (issue 4).
+      Applies to host parts whose ids the device computed (not with host_predict).
+    host_predict: low-bit predictor only: the host predicts its own (cold) neurons inside
+      its callback, from a 4-bit copy kept in host RAM (`host_ops.lowbit`), so neither the
+      cold codes nor the cold mask touch the device; the device predicts only its hot rows.
     prefill_dense_tokens: a forward pass over at least this many tokens (batch x sequence)
       computes every neuron (no active-set selection); 0 = never. Over a prefill chunk the
       union of the tokens' active sets is nearly every neuron, so selecting costs more than it
@@ -67,6 +71,7 @@ class SparseSpec:
   predictor_kind: str = "mlp"
   prefill_dense_tokens: int = 0
   overlap: bool = False
+  host_predict: bool = False
 
 
 def _host_cold_ffn(handle: int, h: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -130,6 +135,22 @@ def cold_partial_finish(handle: int, ticket: jax.Array, after: jax.Array, n: int
                            vmap_method="sequential")
 
 
+def _host_cold_predicted(handle: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """pure_callback target: (host partial f32[N, D], active host neurons i32[N])."""
+  from host_ops import sparse_ffn as host_ffn
+  y, active = host_ffn.get_layer(handle).run_predicted(np.asarray(h, np.float32))
+  return np.asarray(y, np.float32), np.asarray(active, np.int32)
+
+
+def cold_partial_predicted(handle: int, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Host predicts and computes its neurons: h f32[N, D] -> (f32[N, D], active i32[N])."""
+  n, d = h.shape
+  return jax.pure_callback(functools.partial(_host_cold_predicted, handle),
+                           (jax.ShapeDtypeStruct((n, d), jnp.float32),
+                            jax.ShapeDtypeStruct((n,), jnp.int32)),
+                           h.astype(jnp.float32), vmap_method="sequential")
+
+
 def _cold_ids(cold_mask: jax.Array | None, n_cold: int) -> jax.Array:
   if cold_mask is None:
     return jnp.arange(n_cold, dtype=jnp.int32)
@@ -174,11 +195,14 @@ class HybridFFN(nn.Module):
         mask = sparsity.active_mask(g_all, u_all, cfg.ffn_family, threshold)  # [B, T, F]
     elif spec.mode == MODE_PREDICTOR and spec.predictor_kind == predictor_lib.PREDICTOR_LOWBIT:
       blocks = d // predictor_lib.LOWBIT_BLOCK
+      rows = n_hot if spec.host_predict else f  # Host-predicted rows stay in host RAM.
       pred = {name: self.param(name, zeros, shape, dtype) for name, shape, dtype in (
-          ("gate_codes", (f, d // 2), jnp.uint8), ("gate_scales", (f, blocks), jnp.float16),
-          ("up_codes", (f, d // 2), jnp.uint8), ("up_scales", (f, blocks), jnp.float16))}
+          ("gate_codes", (rows, d // 2), jnp.uint8), ("gate_scales", (rows, blocks), jnp.float16),
+          ("up_codes", (rows, d // 2), jnp.uint8), ("up_scales", (rows, blocks), jnp.float16))}
       cut = self.param("cut", zeros, (), jnp.float32)
-      if not dense:
+      if not dense and spec.host_predict:  # The device predicts its hot rows only.
+        mask = predictor_lib.lowbit_contribution(pred, h, cfg.ffn_family) >= cut  # [B, T, H]
+      elif not dense:
         mask = predictor_lib.lowbit_contribution(pred, h, cfg.ffn_family) >= cut  # [B, T, F]
     elif spec.mode == MODE_PREDICTOR:
       rank = spec.ranks[self.layer]
@@ -193,11 +217,21 @@ class HybridFFN(nn.Module):
       raise ValueError(f"unknown sparse mode {spec.mode!r}")
     if dense:
       mask = jnp.ones((b, t, f), bool)
-    self.sow("intermediates", "active_fraction", jnp.mean(mask.astype(jnp.float32)))
-    self.sow("masks", "mask", mask)  # Only kept when applied with mutable=[..., "masks"].
+    host_predicts = (spec.host_predict and not dense and n_hot < f
+                     and spec.mode == MODE_PREDICTOR)
+    if not host_predicts:
+      self.sow("intermediates", "active_fraction", jnp.mean(mask.astype(jnp.float32)))
+      self.sow("masks", "mask", mask)  # Only kept when applied with mutable=[..., "masks"].
 
     ticket = None
-    if n_hot < f and spec.overlap:  # Start the host part before the device's hot part.
+    if host_predicts:
+      y_host, n_cold_active = cold_partial_predicted(spec.host_handles[self.layer],
+                                                     h.reshape(b * t, d))
+      hot_active = jnp.sum(mask[..., :n_hot], axis=-1).reshape(b * t) if n_hot else 0
+      self.sow("intermediates", "active_fraction",
+               jnp.mean((hot_active + n_cold_active).astype(jnp.float32)) / f)
+      h_dev = h
+    elif n_hot < f and spec.overlap:  # Start the host part before the device's hot part.
       cold_ids = _cold_ids(None if dense else mask[..., n_hot:].reshape(b * t, f - n_hot),
                            f - n_hot)
       ticket = cold_partial_start(spec.host_handles[self.layer], h.reshape(b * t, d), cold_ids)
@@ -225,7 +259,9 @@ class HybridFFN(nn.Module):
         a = model_lib.ffn_activation(g, u, cfg.ffn_family) * hot_mask
         y = y + jnp.einsum("BTN,ND->BTD", a.astype(h.dtype), hot_down,
                            preferred_element_type=jnp.float32)
-    if n_hot < f:
+    if host_predicts:
+      y = y + y_host.reshape(b, t, d)
+    elif n_hot < f:
       if ticket is not None:
         y_host = cold_partial_finish(spec.host_handles[self.layer], ticket, y, b * t, d)
       else:
@@ -287,7 +323,8 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
                  oracle_threshold: float | None = None, use_pallas: bool | None = None,
                  threshold_scale: float = 1.0, cut_offset: float = 0.0,
                  predictor_kind: str = "auto", prefill_dense_tokens: int = 0,
-                 overlap: bool = False) -> tuple[SparseSpec, dict[str, Any]]:
+                 overlap: bool = False, host_predict: bool | None = None
+                 ) -> tuple[SparseSpec, dict[str, Any]]:
   """Device params and host registrations for a bundle-loaded model.
 
   Args:
@@ -301,6 +338,7 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
     cut_offset: added to every MLP predictor logit cut (predictor mode): > 0 skips more.
     predictor_kind: "mlp", "lowbit", or "auto" (see `default_predictor_kind`).
     prefill_dense_tokens, overlap: see `SparseSpec`.
+    host_predict: see `SparseSpec` (default: on for the low-bit predictor).
     use_pallas: Pallas for the hot part of decode (default: when the backend is GPU).
 
   Returns:
@@ -322,6 +360,10 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
   if predictor_kind not in predictor_lib.PREDICTOR_KINDS:
     raise ConfigError(f"--predictor_kind={predictor_kind!r} must be auto, "
                       f"{' or '.join(predictor_lib.PREDICTOR_KINDS)}.")
+  if host_predict is None:
+    host_predict = predictor_kind == predictor_lib.PREDICTOR_LOWBIT
+  host_predict = bool(host_predict) and mode == MODE_PREDICTOR and \
+      predictor_kind == predictor_lib.PREDICTOR_LOWBIT
   if int(prefill_dense_tokens) < 0:
     raise ConfigError(f"--prefill_dense_tokens={prefill_dense_tokens} must be >= 0 (0 = never).")
   f = cfg.intermediate_size
@@ -348,8 +390,11 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
            else oracle_threshold)
       ffn["threshold"] = jnp.asarray(t, jnp.float32)
     elif predictor_kind == predictor_lib.PREDICTOR_LOWBIT:
-      ffn.update({k: jnp.asarray(v) for k, v in predictor_lib.lowbit_params(
-          np.asarray(rows["gate"], np.float32), np.asarray(rows["up"], np.float32)).items()})
+      lowbit = predictor_lib.lowbit_params(np.asarray(rows["gate"], np.float32),
+                                           np.asarray(rows["up"], np.float32))
+      # With host_predict the device holds (and reads) only its hot rows' codes.
+      keep = n_hot if host_predict else f
+      ffn.update({k: jnp.asarray(v[:keep]) for k, v in lowbit.items()})
       ffn["cut"] = jnp.asarray(model.sparse.thresholds[i] * threshold_scale, jnp.float32)
     else:
       pred = model.sparse.predictors[f"layers_{i}"]
@@ -362,6 +407,12 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
           np.ascontiguousarray(rows["gate"][n_hot:], np.float32),
           np.ascontiguousarray(rows["up"][n_hot:], np.float32),
           np.ascontiguousarray(rows["down"][n_hot:], np.float32), cfg.ffn_family)
+      if host_predict:
+        from host_ops import lowbit as host_lowbit
+        weights.lowbit = host_lowbit.LowbitPredictor(
+            lowbit["gate_codes"][n_hot:], lowbit["gate_scales"][n_hot:].astype(np.float32),
+            lowbit["up_codes"][n_hot:], lowbit["up_scales"][n_hot:].astype(np.float32),
+            float(model.sparse.thresholds[i] * threshold_scale))
       handles.append(host_ffn.register_layer((id(model.sparse), i), weights))
     else:
       handles.append(-1)
@@ -373,7 +424,7 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
   spec = SparseSpec(mode=mode, hot_counts=tuple(int(n) for n in hot),
                     host_handles=tuple(handles), ranks=ranks, use_pallas=bool(use_pallas),
                     predictor_kind=predictor_kind, prefill_dense_tokens=int(prefill_dense_tokens),
-                    overlap=bool(overlap))
+                    overlap=bool(overlap), host_predict=host_predict)
   return spec, params
 
 

@@ -29,6 +29,8 @@ PREDICTOR_KIND = flags.DEFINE_enum("predictor_kind", None, ["auto", "mlp", "lowb
                                    "SwiGLU/GeGLU, mlp (fc2(relu(fc1 x))) for ReLU families.")
 OVERLAP = flags.DEFINE_bool("overlap", None, "Sparse modes: run the host (cold) part in a worker "
                             "thread while the device computes the hot part (2 callbacks/layer).")
+HOST_PREDICT = flags.DEFINE_bool("host_predict", None, "Low-bit predictor: the host predicts "
+                                 "its own (cold) neurons inside its callback (default: on).")
 PREFILL_DENSE_TOKENS = flags.DEFINE_integer(
     "prefill_dense_tokens", None, "Sparse modes: passes over at least this many tokens compute "
     "every neuron (0 = never; default: the measured switch point).")
@@ -57,5 +59,6 @@ def configure(model, cfg: Any = None) -> None:
                          host_threads=threads, oracle_threshold=ORACLE_THRESHOLD.value,
                          threshold_scale=THRESHOLD_SCALE.value, cut_offset=CUT_OFFSET.value,
                          predictor_kind=kind, overlap=bool(pick(OVERLAP, "overlap")),
+                         host_predict=pick(HOST_PREDICT, "host_predict"),
                          prefill_dense_tokens=(DEFAULT_PREFILL_DENSE_TOKENS if dense_tokens is None
                                                else dense_tokens))

@@ -244,3 +244,46 @@ def test_prefetch_and_thread_count_do_not_change_math(layer, monkeypatch):
     _assert_close(w8(x, ids), ref8)
   finally:
     sf.set_host_threads(THREADS)
+
+
+# ---------------------------------------------------------------------------------------
+# Predict-and-compute with the low-bit predictor on the host (host_ops.lowbit).
+
+
+@pytest.mark.parametrize("family", ["swiglu", "reglu", "drelu"])
+@pytest.mark.parametrize("quantile", [0.0, 0.5, 0.9, 1.01])  # full, half, sparse, empty set
+def test_lowbit_predict_and_compute_matches_reference(family, quantile):
+  from host_ops import lowbit
+  from pijax import predictor as P
+  rng = np.random.default_rng(11)
+  n, d, b = 200, 96, 3
+  gate, up, down = (rng.normal(size=(n, d)).astype(np.float32) * 0.1 for _ in range(3))
+  x = rng.normal(size=(b, d)).astype(np.float32)
+  p = P.lowbit_params(gate, up)
+  est = P.lowbit_contribution_reference(p, x, family)
+  if quantile == 0.0:
+    cut = 0.0  # Every neuron (|act| >= 0).
+  elif quantile > 1:
+    cut = 2.0 * float(est.max()) + 1.0  # None.
+  else:
+    cut = float(np.quantile(est, quantile))
+  pred = lowbit.LowbitPredictor(p["gate_codes"], p["gate_scales"].astype(np.float32),
+                                p["up_codes"], p["up_scales"].astype(np.float32), cut)
+  y, active = lowbit.lowbit_sparse_ffn_host(pred, gate, up, down, x, family)
+  y_ref, active_ref, est_ref = lowbit.lowbit_sparse_ffn_host_reference(pred, gate, up, down, x,
+                                                                      family)
+  np.testing.assert_allclose(est_ref, est, rtol=1e-6, atol=1e-9)
+  near = np.abs(est_ref - cut) <= 1e-5 * max(cut, 1e-6)
+  if not near.any():  # No near-tie: the same neurons, the same output.
+    np.testing.assert_array_equal(active, active_ref)
+    np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5 * max(np.abs(y_ref).max(), 1e-6))
+  if quantile > 1:
+    assert (active == 0).all() and not y.any()
+  if quantile == 0.0:
+    assert (active == n).all()
+  # Registered rows run it through the registry, as the hybrid step's callback does.
+  w = sf.HostFFNWeights(gate, up, down, family)
+  w.lowbit = pred
+  y2, active2 = w.run_predicted(x)
+  np.testing.assert_array_equal(y2, y)
+  np.testing.assert_array_equal(active2, active)

@@ -113,14 +113,16 @@ def test_sparse_mode_needs_a_bundle(smollm2):
 
 @pytest.mark.parametrize("hot_ratio", [0.0, 0.3])
 def test_lowbit_predictor_masks_and_logits(bundle_model, prompt_ids, hf_model, hot_ratio):
-  """Low-bit predictor mode: the mask is the NumPy estimate >= cut, and the logits equal
-  transformers' dense model zeroing exactly the neurons the predictor skipped."""
+  """Low-bit predictor mode (device-predicted, so the whole mask is visible): the mask is the
+  NumPy estimate >= cut, and the logits equal transformers' dense model zeroing exactly the
+  neurons the predictor skipped."""
   import jax
   import jax.numpy as jnp
   from pijax import hybrid
   from pijax import model as model_lib
   from pijax import predictor as predictor_lib
-  bundle_model.configure_sparse("predictor", hot_ratio=hot_ratio, predictor_kind="lowbit")
+  bundle_model.configure_sparse("predictor", hot_ratio=hot_ratio, predictor_kind="lowbit",
+                                host_predict=False)
   assert bundle_model.sparse_spec.predictor_kind == "lowbit"
   run = jax.jit(lambda p, t: hybrid.forward_with_masks(p, t, config=bundle_model.config,
                                                        sparse=bundle_model.sparse_spec))
@@ -134,7 +136,8 @@ def test_lowbit_predictor_masks_and_logits(bundle_model, prompt_ids, hf_model, h
   # The masks follow the independent NumPy estimate on each layer's FFN input (the sparse
   # run's own residual stream, which differs from the dense run's after layer 0).
   cfg = bundle_model.config
-  bundle_model.configure_sparse("predictor", hot_ratio=hot_ratio, predictor_kind="lowbit")
+  bundle_model.configure_sparse("predictor", hot_ratio=hot_ratio, predictor_kind="lowbit",
+                                host_predict=False)
   spec, hparams = bundle_model.sparse_spec, bundle_model._hybrid_params
   bundle_model.configure_sparse("off")
   t = len(prompt_ids)
@@ -169,7 +172,7 @@ def test_overlapped_host_part_equals_serial(bundle_model, prompt_ids):
   runs = {}
   for overlap in (False, True):
     bundle_model.configure_sparse("predictor", hot_ratio=0.3, predictor_kind="lowbit",
-                                  overlap=overlap)
+                                  overlap=overlap, host_predict=False)
     logits = bundle_model.prompt_logits(prompt_ids)
     result = bundle_model.generate(prompt_ids, max_new_tokens=8)
     runs[overlap] = (logits, result.token_ids, result.stats.ffn_sparsity)
@@ -221,3 +224,24 @@ def test_eval_predictors_lowbit_on_new_text(bundle_model):
   table = eval_predictors.format_table(rows, bundle_model.sparse.manifest, "lowbit")
   assert table.splitlines()[0].startswith("| layer | predictor | recall |")
   assert table.splitlines()[-1].startswith("| mean |")
+
+
+def test_host_predicted_cold_part(bundle_model, prompt_ids):
+  """host_predict (the default for the low-bit predictor): the host predicts its own neurons
+  in its callback; the run computes the same function as the device-predicted one up to float
+  rounding of the estimates near the cut, and decode compiles once."""
+  runs = {}
+  for host_predict in (False, True):
+    bundle_model.configure_sparse("predictor", hot_ratio=0.3, predictor_kind="lowbit",
+                                  host_predict=host_predict)
+    assert bundle_model.sparse_spec.host_predict == host_predict
+    logits, active = bundle_model.prompt_logits(prompt_ids, return_active=True)
+    result = bundle_model.generate(prompt_ids, max_new_tokens=8)
+    assert bundle_model.compile_count("decode") == 1
+    runs[host_predict] = (logits, float(1.0 - np.mean(active)), result)
+  bundle_model.configure_sparse("off")
+  (l0, s0, r0), (l1, s1, r1) = runs[False], runs[True]
+  assert abs(s0 - s1) < 0.005 and 0.3 < s1 < 0.7
+  assert (l0.argmax(-1) == l1.argmax(-1)).mean() >= 0.9
+  assert _rel(l1, l0) <= 0.05
+  assert abs(r0.stats.ffn_sparsity - r1.stats.ffn_sparsity) < 0.02
