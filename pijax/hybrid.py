@@ -294,7 +294,14 @@ def forward_with_masks(params: Any, tokens: jax.Array, *, config: ModelConfig,
   """Logits f32[B, T, V] of a fresh sequence and the active masks bool[L, B, T, F] used.
 
   For checking a hybrid run against an independent dense run that zeroes the same neurons.
+
+  Raises:
+    ValueError: a host-predicted spec (its cold masks never leave the host); build the spec
+      with host_predict=False.
   """
+  if sparse.host_predict:
+    raise ValueError("forward_with_masks needs the whole mask on the device: configure the "
+                     "sparse mode with host_predict=False.")
   b, t = tokens.shape
   cache = model_lib.init_cache(config, b, t)
   (logits, _), state = model_lib.Transformer(config, t, sparse).apply(

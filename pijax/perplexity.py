@@ -152,7 +152,7 @@ def main(argv: list[str]) -> None:
   except (OSError, UnicodeDecodeError) as err:
     raise ConfigError(f"{f.file}: cannot read the text ({err}).") from None
   model = pijax.load(f.model, max_seq_len=max(f.ctx_size, 16))
-  sparse_flags.configure(model)
+  sparse_flags.configure(model, per_token_prefill=True)
   result = perplexity(model, text, n_ctx=f.ctx_size, chunks=f.chunks or None,
                       kl_base_path=f.kl_divergence_base if f.kl_divergence else None,
                       kl_save_path=None if f.kl_divergence else f.kl_divergence_base)

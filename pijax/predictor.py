@@ -565,7 +565,8 @@ def dequantize_rows_q4(codes: jax.Array, scales: jax.Array) -> jax.Array:
   """Inverse of `quantize_rows_q4` in jnp: uint8[F, D/2], f16[F, D/32] -> f32[F, D]."""
   n = codes.shape[0]
   # [F, D/2, 2] -> [F, D]: low nibble = even column.
-  q = jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(n, -1).astype(jnp.float32) - 8.0
+  q = jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(n, 2 * codes.shape[1])
+  q = q.astype(jnp.float32) - 8.0
   s = jnp.repeat(scales.astype(jnp.float32), LOWBIT_BLOCK, axis=-1)
   return q * s
 

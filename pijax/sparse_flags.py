@@ -9,8 +9,11 @@ from absl import flags
 SPARSE = flags.DEFINE_enum("sparse", None, ["off", "oracle", "predictor"],
                            "FFN execution: off = dense; oracle = true active sets computed "
                            "densely (correctness); predictor = the predictors (the real thing).")
-# Forward passes over this many tokens or more compute every neuron (BUILD_NOTES.md, issue 4).
-DEFAULT_PREFILL_DENSE_TOKENS = 0
+# Forward passes over this many tokens or more compute every neuron: on dev-2c (SmolLM2,
+# low-bit predictor, hot_ratio 0) per-token sets win at 1-2 tokens and lose from 3 on, where
+# the union of the tokens' active sets is already 85% of the neurons (BUILD_NOTES.md, issue 4;
+# scripts/measure_prefill_switch.py).
+DEFAULT_PREFILL_DENSE_TOKENS = 3
 
 HOT_RATIO = flags.DEFINE_float("hot_ratio", None, "Re-place at load: this fraction of each "
                                "layer's neurons is device-resident (overrides the bundle).")
@@ -36,8 +39,12 @@ PREFILL_DENSE_TOKENS = flags.DEFINE_integer(
     "every neuron (0 = never; default: the measured switch point).")
 
 
-def configure(model, cfg: Any = None) -> None:
+def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> None:
   """Applies the flags (falling back to the config's fields) to a loaded model.
+
+  per_token_prefill: default --prefill_dense_tokens to 0 (every token keeps its own active
+  set in long passes too). pijax.perplexity uses it, so perplexity measures the sparse
+  function decode computes rather than the dense prefill switch.
 
   Raises:
     ConfigError, BudgetError: see `pijax.engine.Model.configure_sparse`.
@@ -60,5 +67,6 @@ def configure(model, cfg: Any = None) -> None:
                          threshold_scale=THRESHOLD_SCALE.value, cut_offset=CUT_OFFSET.value,
                          predictor_kind=kind, overlap=bool(pick(OVERLAP, "overlap")),
                          host_predict=pick(HOST_PREDICT, "host_predict"),
-                         prefill_dense_tokens=(DEFAULT_PREFILL_DENSE_TOKENS if dense_tokens is None
-                                               else dense_tokens))
+                         prefill_dense_tokens=(
+                             dense_tokens if dense_tokens is not None
+                             else 0 if per_token_prefill else DEFAULT_PREFILL_DENSE_TOKENS))

@@ -34,7 +34,7 @@ def main(argv):
   lengths = [int(v) for v in _LENGTHS.value]
   model = pijax.load(_MODEL.value, max_seq_len=max(512, max(lengths)))
   model.configure_sparse("predictor", hot_ratio=_HOT_RATIO.value,
-                         predictor_kind=_KIND.value)
+                         predictor_kind=_KIND.value, host_predict=False)  # Whole masks visible.
   with open(_TEXT.value, encoding="utf-8") as f:
     ids = model.tokenizer.encode(f.read()[:20000], add_special=False)[:512]
   run = jax.jit(lambda p, t: hybrid.forward_with_masks(p, t, config=model.config,

@@ -226,13 +226,14 @@ def test_eval_predictors_lowbit_on_new_text(bundle_model):
   assert table.splitlines()[-1].startswith("| mean |")
 
 
-def test_host_predicted_cold_part(bundle_model, prompt_ids):
+@pytest.mark.parametrize("hot_ratio", [0.0, 0.3])
+def test_host_predicted_cold_part(bundle_model, prompt_ids, hot_ratio):
   """host_predict (the default for the low-bit predictor): the host predicts its own neurons
   in its callback; the run computes the same function as the device-predicted one up to float
   rounding of the estimates near the cut, and decode compiles once."""
   runs = {}
   for host_predict in (False, True):
-    bundle_model.configure_sparse("predictor", hot_ratio=0.3, predictor_kind="lowbit",
+    bundle_model.configure_sparse("predictor", hot_ratio=hot_ratio, predictor_kind="lowbit",
                                   host_predict=host_predict)
     assert bundle_model.sparse_spec.host_predict == host_predict
     logits, active = bundle_model.prompt_logits(prompt_ids, return_active=True)
