@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
+import jax
 from absl import flags
 
 SPARSE = flags.DEFINE_enum("sparse", None, ["off", "oracle", "predictor"],
@@ -62,6 +64,12 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
   dense_tokens = pick(PREFILL_DENSE_TOKENS, "prefill_dense_tokens")
   if mode == "off" and model.sparse is None:
     return  # A plain GGUF runs dense; placement flags mean nothing there.
+  if mode != "off" and hot_ratio is None and budget is None and jax.default_backend() == "cpu":
+    # No accelerator: "device" and host are the same CPU and memory, and the host path is the
+    # faster one (BUILD_NOTES.md, issue 4), so every neuron goes to the host.
+    hot_ratio = 0.0
+    sys.stderr.write("pijax: CPU backend, every FFN neuron on the host (--hot_ratio=0); pass "
+                     "--hot_ratio or --device_budget_gb to place neurons otherwise.\n")
   model.configure_sparse(mode, hot_ratio=hot_ratio, device_budget_gb=budget,
                          host_threads=threads, oracle_threshold=ORACLE_THRESHOLD.value,
                          threshold_scale=THRESHOLD_SCALE.value, cut_offset=CUT_OFFSET.value,

@@ -163,3 +163,23 @@ def test_invalid_utf8_prompt(smollm2):
     smollm2.generate([1.7, 504.0], max_new_tokens=2)
   with pytest.raises(ConfigError):
     smollm2.generate("hi", max_new_tokens=2.5)
+
+
+@pytest.mark.slow
+def test_generate_sparse_predictor_cli(converted):
+  """The issue-4 command: generate from a bundle with the FFN split; on a CPU backend every
+  neuron goes to the host unless placement flags say otherwise; the text names the capital."""
+  opts, _ = converted
+  sparse_config = "--config=" + str(ROOT / "configs" / "smollm2_135m_sparse.py")
+  proc = _run(sparse_config, f"--model={opts.out}", "--prompt=The capital of France is",
+              "--max_new_tokens=12")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "Paris" in proc.stdout
+  assert "every FFN neuron on the host (--hot_ratio=0)" in proc.stderr
+  last = proc.stderr.strip().splitlines()[-1]
+  sparsity = float(last.split("FFN sparsity:")[1].split("%")[0])
+  assert 30.0 <= sparsity <= 70.0, last
+  proc = _run(sparse_config, f"--model={opts.out}", "--prompt=The capital of France is",
+              "--max_new_tokens=4", "--hot_ratio=0.3", "--sparse=oracle")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "every FFN neuron on the host" not in proc.stderr
