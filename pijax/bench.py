@@ -192,6 +192,9 @@ def main(argv: list[str]) -> None:
     raise ConfigError(f"-o {f.output!r} must be md or json.")
   if f.threads is not None and f.threads < 1:
     raise ConfigError(f"-t {f.threads} must be >= 1.")
+  if f.n_prompt < 0 or f.n_gen < 0 or not (f.n_prompt or f.n_gen):
+    raise ConfigError(f"-p {f.n_prompt} / -n {f.n_gen}: both must be >= 0 (0 skips a test), "
+                      "one > 0.")
   model = pijax.load(f.model, max_seq_len=max(f.n_prompt, f.n_gen + 1, 256))
   sparse_flags.configure(model)
   import os

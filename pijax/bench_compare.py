@@ -245,6 +245,10 @@ def main(argv: list[str]) -> None:
     raise ConfigError(f"-p {f.n_prompt} / -n {f.n_gen}: both must be >= 0, one > 0.")
   llama_cpp = import_llama_cpp()  # Before the (slow) pijax load.
   model = pijax.load(f.model, max_seq_len=max(f.n_prompt, f.n_gen + 1, 256))
+  if f.n_prompt > model.max_seq_len or f.n_gen + 1 > model.max_seq_len:
+    raise ConfigError(f"-p {f.n_prompt} / -n {f.n_gen} do not fit the model's context of "
+                      f"{model.max_seq_len} tokens (-p <= {model.max_seq_len}, "
+                      f"-n < {model.max_seq_len}).")
   sparse_flags.configure(model)
   threads = f.threads or os.cpu_count()
   if f.threads:

@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import math
 import os
 import time
 from typing import Any, Iterator, Sequence
@@ -273,8 +274,10 @@ class Model:
     from pijax.errors import ConfigError
     if self.sparse is None:
       raise ConfigError(f"{self.path}: re-placing neurons needs a bundle (pijax.convert).")
-    if device_budget_gb is not None and not device_budget_gb > 0:
-      raise ConfigError(f"--device_budget_gb={device_budget_gb} must be > 0.")
+    if device_budget_gb is not None and not (device_budget_gb > 0
+                                             and math.isfinite(device_budget_gb)):
+      raise ConfigError(f"--device_budget_gb={device_budget_gb} must be a finite number > 0 "
+                        "(GB = 1e9 bytes); omit it for no re-placement.")
     ranks = [int(layer["predictor_rank"]) for layer in self.sparse.manifest["layers"]]
     placement = placement_lib.place(
         self.config, self.sparse.frequencies,

@@ -38,11 +38,17 @@ def evaluate_predictors(model, text: str, *, max_tokens: int = 8192, chunk_len: 
   """
   if model.sparse is None:
     raise ConfigError(f"{model.path} is not a bundle; convert it with pijax.convert first.")
+  if max_tokens < 1:
+    raise ConfigError(f"--max_tokens={max_tokens} must be >= 1.")
+  if not 8 <= chunk_len <= model.max_seq_len:
+    raise ConfigError(f"--chunk_len={chunk_len} must be in [8, {model.max_seq_len}] (the "
+                      "model's context).")
   cfg = model.config
   ids = model.tokenizer.encode(text, add_special=False)[:max_tokens]
   n_chunks = len(ids) // chunk_len
   if n_chunks == 0:
-    raise ConfigError(f"the text has {len(ids)} tokens, fewer than one chunk ({chunk_len}).")
+    raise ConfigError(f"only {len(ids)} tokens to evaluate (text and --max_tokens), fewer than "
+                      f"one chunk ({chunk_len}); give more text or a smaller --chunk_len.")
   if predictor_kind == "auto":
     from pijax import hybrid
     predictor_kind = hybrid.default_predictor_kind(cfg.ffn_family)
@@ -104,6 +110,9 @@ def main(argv: list[str]) -> None:
   from absl import flags
   import pijax
   f = flags.FLAGS
+  if f.max_tokens < 1 or f.chunk_len < 8:
+    raise ConfigError(f"--max_tokens={f.max_tokens} must be >= 1 and --chunk_len={f.chunk_len} "
+                      ">= 8.")
   model = pijax.load(f.model, max_seq_len=max(f.chunk_len, 16))
   try:
     with open(f.text, encoding="utf-8") as fh:

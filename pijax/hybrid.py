@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -367,8 +368,16 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
   if predictor_kind not in predictor_lib.PREDICTOR_KINDS:
     raise ConfigError(f"--predictor_kind={predictor_kind!r} must be auto, "
                       f"{' or '.join(predictor_lib.PREDICTOR_KINDS)}.")
-  if host_predict is None:
-    host_predict = predictor_kind == predictor_lib.PREDICTOR_LOWBIT
+  if not (math.isfinite(threshold_scale) and threshold_scale >= 0):
+    raise ConfigError(f"--threshold_scale={threshold_scale} must be a finite number >= 0 "
+                      "(1 = the calibrated thresholds, 0 = every neuron active).")
+  if math.isnan(cut_offset):
+    raise ConfigError(f"--cut_offset={cut_offset} must be a number (0 = the calibrated cuts).")
+  if overlap and host_predict:
+    raise ConfigError("--overlap runs a device-predicted host part in a worker thread; it does "
+                      "not combine with --host_predict (pass --nohost_predict with --overlap).")
+  if host_predict is None:  # Default: on for the low-bit predictor, unless --overlap asks.
+    host_predict = predictor_kind == predictor_lib.PREDICTOR_LOWBIT and not overlap
   host_predict = bool(host_predict) and mode == MODE_PREDICTOR and \
       predictor_kind == predictor_lib.PREDICTOR_LOWBIT
   if int(prefill_dense_tokens) < 0:

@@ -64,7 +64,8 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
   dense_tokens = pick(PREFILL_DENSE_TOKENS, "prefill_dense_tokens")
   if mode == "off" and model.sparse is None:
     return  # A plain GGUF runs dense; placement flags mean nothing there.
-  if mode != "off" and hot_ratio is None and budget is None and jax.default_backend() == "cpu":
+  if (mode != "off" and model.sparse is not None and hot_ratio is None and budget is None
+      and jax.default_backend() == "cpu"):
     # No accelerator: "device" and host are the same CPU and memory, and the host path is the
     # faster one (BUILD_NOTES.md, issue 4), so every neuron goes to the host.
     hot_ratio = 0.0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import pijax
 from pijax import bench, hybrid
@@ -32,7 +32,12 @@ _KIND = flags.DEFINE_string("predictor_kind", "auto", "Predictor kind.")
 def main(argv):
   del argv
   lengths = [int(v) for v in _LENGTHS.value]
+  from pijax.errors import ConfigError
+  if not lengths or min(lengths) < 1 or _REPS.value < 1:
+    raise ConfigError("--lengths must be integers >= 1 and --reps >= 1.")
   model = pijax.load(_MODEL.value, max_seq_len=max(512, max(lengths)))
+  if model.sparse is None:
+    raise ConfigError(f"{_MODEL.value} is not a bundle; convert it with pijax.convert first.")
   model.configure_sparse("predictor", hot_ratio=_HOT_RATIO.value,
                          predictor_kind=_KIND.value, host_predict=False)  # Whole masks visible.
   with open(_TEXT.value, encoding="utf-8") as f:
@@ -64,4 +69,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from pijax import cli
+  cli.run(main, "measure_prefill_switch")

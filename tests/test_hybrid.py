@@ -246,3 +246,18 @@ def test_host_predicted_cold_part(bundle_model, prompt_ids, hot_ratio):
   assert (l0.argmax(-1) == l1.argmax(-1)).mean() >= 0.9
   assert _rel(l1, l0) <= 0.05
   assert abs(r0.stats.ffn_sparsity - r1.stats.ffn_sparsity) < 0.02
+
+
+def test_sparse_knobs_are_validated(bundle_model):
+  from pijax.errors import ConfigError
+  for kwargs, needle in (({"threshold_scale": float("nan")}, "threshold_scale"),
+                         ({"threshold_scale": float("inf")}, "threshold_scale"),
+                         ({"threshold_scale": -1.0}, "threshold_scale"),
+                         ({"cut_offset": float("nan")}, "cut_offset"),
+                         ({"device_budget_gb": float("inf")}, "device_budget_gb"),
+                         ({"overlap": True, "host_predict": True}, "--overlap")):
+    with pytest.raises(ConfigError, match=needle):
+      bundle_model.configure_sparse("predictor", **kwargs)
+  bundle_model.configure_sparse("predictor", hot_ratio=0.0, overlap=True)  # Implies device ids.
+  assert not bundle_model.sparse_spec.host_predict and bundle_model.sparse_spec.overlap
+  bundle_model.configure_sparse("off")

@@ -66,3 +66,20 @@ def test_perplexity_cli_format(shared_dir):
   assert re.fullmatch(r"Final estimate: PPL = [0-9.]+ \+/- [0-9.]+\n", proc.stdout), proc.stdout
   proc = _run("pijax.perplexity", "-m", "default", "-f", "/nonexistent.txt")
   assert proc.returncode == 2 and "nonexistent" in proc.stderr
+
+
+@pytest.mark.parametrize("module,args,needle", [
+    ("pijax.bench", ["-p", "0", "-n", "0"], "one > 0"),
+    ("pijax.eval_predictors", ["--model=default", "--text=README.md", "--chunk_len=0"],
+     "--chunk_len=0"),
+    ("pijax.eval_predictors", ["--model=default", "--text=README.md", "--max_tokens=-5"],
+     "--max_tokens=-5"),
+    ("pijax.generate", ["--config=configs/smollm2_135m.py", "--prompt=Hi", "--sparse=predictor"],
+     "needs a bundle"),
+])
+def test_tools_refuse_bad_flags_in_one_line(module, args, needle):
+  proc = _run(module, *args)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+  assert len(lines) == 1 and needle in lines[0], proc.stderr
+  assert "Traceback" not in proc.stderr
