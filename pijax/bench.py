@@ -114,8 +114,8 @@ def weight_bytes_per_token(model, ffn_sparsity: float) -> tuple[int, int]:
   """(bytes read per decoded token, dense bytes per token) of weights, compute dtype.
 
   Dense: every weight once (the tied head reads the embedding matrix). Sparse: everything but
-  the FFN, plus predictors (f32 MLP or 4-bit low-bit), plus all hot rows (the CPU path reads every hot row; the GPU
-  kernel only active ones) and the active share of the cold rows.
+  the FFN, plus predictors (f32 MLP or 4-bit low-bit), plus all hot rows (the CPU path reads
+  every hot row; the GPU kernel only active ones) and the active share of the cold rows.
   """
   cfg = model.config
   item = model.dtype.itemsize
@@ -148,7 +148,8 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int) -> list[di
     tests.append(bench_decode(model, n_gen, reps))
   size = model.config.n_params() * model.dtype.itemsize
   for r in tests:
-    row = {"model": model.path, "size_gib": size / 2 ** 30, "params_m": model.config.n_params() / 1e6,
+    row = {"model": model.path, "size_gib": size / 2 ** 30,
+           "params_m": model.config.n_params() / 1e6,
            "backend": jax.default_backend(), "threads": threads, "mode": model.sparse_mode,
            "test": r.test, "t_s_mean": r.mean, "t_s_sd": r.sd, "compile_s": r.compile_s,
            "ffn_sparsity": r.ffn_sparsity, "reps": len(r.tokens_per_s)}

@@ -3,8 +3,9 @@
 ReLU-family FFNs have exact zeros (PowerInfer, arXiv 2312.12456 §2). SwiGLU/GeGLU outputs are
 never exactly zero, so a neuron counts as active when its contribution |act(gate x) * (up x)|
 reaches a per-layer threshold t_l calibrated so that the layer's sparsity on calibration text
-equals a target. Measured on SmolLM2-135M (../shared/DESIGN.md §1): thresholding the contribution at 48%
-sparsity cost +2.7% perplexity, thresholding |silu(gate x)| alone (CATS, arXiv 2404.08763) +28.5%.
+equals a target. Measured on SmolLM2-135M (../shared/DESIGN.md §1): thresholding the
+contribution at 48% sparsity cost +2.7% perplexity, thresholding |silu(gate x)| alone (CATS,
+arXiv 2404.08763) +28.5%.
 """
 
 from __future__ import annotations

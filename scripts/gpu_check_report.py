@@ -37,10 +37,10 @@ def kernel_summary(path: str) -> str:
       if len(cells) == len(header):
         rows.append(dict(zip(header, cells)))
   if not rows:  # The script died before its table: count the progress lines instead.
-    prog = [l for l in lines if re.search(r": (ok|FAIL.*|skip.*)$", l)]
+    prog = [ln for ln in lines if re.search(r": (ok|FAIL.*|skip.*)$", ln)]
     if not prog:
       return "no case ran"
-    ok = sum(l.endswith(": ok") for l in prog)
+    ok = sum(ln.endswith(": ok") for ln in prog)
     return f"{ok}/{len(prog)} cases ok before it stopped (no table)"
   ok = sum(r["status"] == "ok" for r in rows)
   errs = [float(r["max err"]) for r in rows if r["max err"] not in ("-", "")]

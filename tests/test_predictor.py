@@ -247,7 +247,8 @@ def test_bad_inputs_raise():
 def test_q4_quantization_round_trip_random():
   from pijax import predictor as P
   rng = np.random.default_rng(3)
-  rows = (rng.standard_t(4, size=(37, 96)) * rng.uniform(0.01, 2.0, size=(37, 1))).astype(np.float32)
+  rows = rng.standard_t(4, size=(37, 96)) * rng.uniform(0.01, 2.0, size=(37, 1))
+  rows = rows.astype(np.float32)
   rows[5, :32] = 0.0  # An all-zero block: scale 0, codes decode to 0.
   codes, scales = P.quantize_rows_q4(rows)
   assert codes.shape == (37, 48) and codes.dtype == np.uint8
