@@ -201,10 +201,8 @@ class HybridFFN(nn.Module):
           ("gate_codes", (rows, d // 2), jnp.uint8), ("gate_scales", (rows, blocks), jnp.float16),
           ("up_codes", (rows, d // 2), jnp.uint8), ("up_scales", (rows, blocks), jnp.float16))}
       cut = self.param("cut", zeros, (), jnp.float32)
-      if not dense and spec.host_predict:  # The device predicts its hot rows only.
-        mask = predictor_lib.lowbit_contribution(pred, h, cfg.ffn_family) >= cut  # [B, T, H]
-      elif not dense:
-        mask = predictor_lib.lowbit_contribution(pred, h, cfg.ffn_family) >= cut  # [B, T, F]
+      if not dense:  # [B, T, rows]: the hot rows only when the host predicts its own.
+        mask = predictor_lib.lowbit_contribution(pred, h, cfg.ffn_family) >= cut
     elif spec.mode == MODE_PREDICTOR:
       rank = spec.ranks[self.layer]
       fc1 = self.param("fc1", zeros, (d, rank), jnp.float32)
