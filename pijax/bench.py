@@ -181,12 +181,22 @@ def format_markdown(rows: list[dict[str, Any]]) -> str:
   return "\n".join(out)
 
 
-def main(argv: list[str]) -> None:
-  del argv
+def define_flags(threads_help: str = "Host threads (numba; XLA uses every core).") -> None:
+  """Defines llama-bench's flags (-m -p -n -r -t -o), shared with `pijax.bench_compare`."""
   from absl import flags
-  import pijax
-  from pijax import sparse_flags
-  f = flags.FLAGS
+  from pijax import sparse_flags  # noqa: F401  (defines --sparse, --hot_ratio, ...)
+  flags.DEFINE_string("model", "default", "GGUF, bundle, or 'default'.", short_name="m")
+  flags.DEFINE_integer("n_prompt", 512, "Prompt tokens for the pp test (0 = skip).",
+                       short_name="p")
+  flags.DEFINE_integer("n_gen", 128, "Generated tokens for the tg test (0 = skip).",
+                       short_name="n")
+  flags.DEFINE_integer("repetitions", 5, "Timed repetitions after one warm-up.", short_name="r")
+  flags.DEFINE_integer("threads", None, threads_help, short_name="t")
+  flags.DEFINE_string("output", "md", "md or json.", short_name="o")
+
+
+def check_flags(f) -> None:
+  """Validates the flags of `define_flags`; raises ConfigError naming the bad one."""
   if f.repetitions < 1:
     raise ConfigError(f"-r {f.repetitions} must be >= 1.")
   if f.output not in ("md", "json"):
@@ -196,13 +206,34 @@ def main(argv: list[str]) -> None:
   if f.n_prompt < 0 or f.n_gen < 0 or not (f.n_prompt or f.n_gen):
     raise ConfigError(f"-p {f.n_prompt} / -n {f.n_gen}: both must be >= 0 (0 skips a test), "
                       "one > 0.")
-  model = pijax.load(f.model, max_seq_len=max(f.n_prompt, f.n_gen + 1, 256))
-  sparse_flags.configure(model)
+
+
+def load_for_bench(f):
+  """Loads -m, checks -p/-n against its context, applies the sparse flags and -t.
+
+  Returns (model, threads). Raises ConfigError when -p/-n do not fit the context.
+  """
   import os
-  threads = f.threads or os.cpu_count()
+  import pijax
+  from pijax import sparse_flags
+  model = pijax.load(f.model, max_seq_len=max(f.n_prompt, f.n_gen + 1, 256))
+  if f.n_prompt > model.max_seq_len or f.n_gen + 1 > model.max_seq_len:
+    raise ConfigError(f"-p {f.n_prompt} / -n {f.n_gen} do not fit the model's context of "
+                      f"{model.max_seq_len} tokens (-p <= {model.max_seq_len}, "
+                      f"-n < {model.max_seq_len}).")
+  sparse_flags.configure(model)
   if f.threads:
     from host_ops import sparse_ffn as host_ffn
     host_ffn.set_host_threads(f.threads)
+  return model, f.threads or os.cpu_count()
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  from absl import flags
+  f = flags.FLAGS
+  check_flags(f)
+  model, threads = load_for_bench(f)
   rows = run(model, n_prompt=f.n_prompt, n_gen=f.n_gen, reps=f.repetitions, threads=threads)
   if f.output == "json":
     sys.stdout.write(json.dumps(rows, indent=1) + "\n")
@@ -211,16 +242,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  from absl import flags
   from pijax import cli
-  from pijax import sparse_flags  # noqa: F401  (defines --sparse, --hot_ratio, ...)
-  flags.DEFINE_string("model", "default", "GGUF, bundle, or 'default'.", short_name="m")
-  flags.DEFINE_integer("n_prompt", 512, "Prompt tokens for the pp test (0 = skip).",
-                       short_name="p")
-  flags.DEFINE_integer("n_gen", 128, "Generated tokens for the tg test (0 = skip).",
-                       short_name="n")
-  flags.DEFINE_integer("repetitions", 5, "Timed repetitions after one warm-up.", short_name="r")
-  flags.DEFINE_integer("threads", None, "Host threads (numba; XLA uses every core).",
-                       short_name="t")
-  flags.DEFINE_string("output", "md", "md or json.", short_name="o")
+  define_flags()
   cli.run(main, "pijax.bench")

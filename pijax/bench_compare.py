@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pijax import bench as bench_lib
-from pijax.errors import ConfigError, PijaxError
+from pijax.errors import PijaxError
 
 MISSING_LLAMA_CPP = ("llama-cpp-python is not installed: run `make bench-compare` "
                      "(installs the compare extra)")
@@ -232,28 +232,10 @@ def run(model, llm, *, n_prompt: int, n_gen: int, reps: int, threads: int,
 def main(argv: list[str]) -> None:
   del argv
   from absl import flags
-  import pijax
-  from pijax import sparse_flags
   f = flags.FLAGS
-  if f.repetitions < 1:
-    raise ConfigError(f"-r {f.repetitions} must be >= 1.")
-  if f.output not in ("md", "json"):
-    raise ConfigError(f"-o {f.output!r} must be md or json.")
-  if f.threads is not None and f.threads < 1:
-    raise ConfigError(f"-t {f.threads} must be >= 1.")
-  if f.n_prompt < 0 or f.n_gen < 0 or not (f.n_prompt or f.n_gen):
-    raise ConfigError(f"-p {f.n_prompt} / -n {f.n_gen}: both must be >= 0, one > 0.")
+  bench_lib.check_flags(f)
   llama_cpp = import_llama_cpp()  # Before the (slow) pijax load.
-  model = pijax.load(f.model, max_seq_len=max(f.n_prompt, f.n_gen + 1, 256))
-  if f.n_prompt > model.max_seq_len or f.n_gen + 1 > model.max_seq_len:
-    raise ConfigError(f"-p {f.n_prompt} / -n {f.n_gen} do not fit the model's context of "
-                      f"{model.max_seq_len} tokens (-p <= {model.max_seq_len}, "
-                      f"-n < {model.max_seq_len}).")
-  sparse_flags.configure(model)
-  threads = f.threads or os.cpu_count()
-  if f.threads:
-    from host_ops import sparse_ffn as host_ffn
-    host_ffn.set_host_threads(f.threads)
+  model, threads = bench_lib.load_for_bench(f)
   llm = make_llama(gguf_path(model), threads=threads, n_ctx=max(f.n_prompt, f.n_gen + 1))
   system_info = llama_cpp.llama_print_system_info()
   if isinstance(system_info, bytes):
@@ -269,18 +251,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  from absl import flags
   from pijax import cli
-  from pijax import sparse_flags  # noqa: F401  (defines --sparse, --hot_ratio, ...)
-  # pijax.bench defines these under its own __main__ (not importable); same names and meaning.
-  flags.DEFINE_string("model", "default", "GGUF, bundle, or 'default'.", short_name="m")
-  flags.DEFINE_integer("n_prompt", 512, "Prompt tokens for the pp test (0 = skip).",
-                       short_name="p")
-  flags.DEFINE_integer("n_gen", 128, "Generated tokens for the tg test (0 = skip).",
-                       short_name="n")
-  flags.DEFINE_integer("repetitions", 5, "Timed repetitions after one warm-up.", short_name="r")
-  flags.DEFINE_integer("threads", None, "Threads: llama.cpp's n_threads(_batch) and pijax's "
-                       "numba host threads (XLA uses every core). Default: every core.",
-                       short_name="t")
-  flags.DEFINE_string("output", "md", "md or json.", short_name="o")
+  bench_lib.define_flags("Threads: llama.cpp's n_threads(_batch) and pijax's numba host "
+                         "threads (XLA uses every core). Default: every core.")
   cli.run(main, "pijax.bench_compare")
