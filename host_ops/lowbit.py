@@ -129,30 +129,40 @@ def lowbit_sparse_ffn_host(pred: LowbitPredictor, gate, up, down, x, family: str
   return y, counts.astype(np.int64)
 
 
+def dequantize_q4_reference(codes, scales) -> np.ndarray:
+  """f64[n, D] from 4-bit rows: codes u8[n, D/2] (even column in the low nibble, code = q + 8),
+  scales [n, D/32]."""
+  codes = np.asarray(codes)
+  q = np.empty((codes.shape[0], codes.shape[1] * 2), np.float64)
+  q[:, 0::2] = (codes & 15).astype(np.float64) - 8.0
+  q[:, 1::2] = (codes >> 4).astype(np.float64) - 8.0
+  return q * np.repeat(np.asarray(scales, np.float64), BLOCK, axis=1)
+
+
+def activation_reference(g: np.ndarray, u: np.ndarray, family: str) -> np.ndarray:
+  """act(g, u) in float64: "swiglu" silu(g) u, "reglu" relu(g) u, "drelu" relu(g) relu(u)."""
+  if family == "swiglu":
+    return g / (1.0 + np.exp(-g)) * u
+  if family == "reglu":
+    return np.maximum(g, 0.0) * u
+  if family == "drelu":
+    return np.maximum(g, 0.0) * np.maximum(u, 0.0)
+  raise HostOpError(f"no reference for FFN family {family!r}")
+
+
 def lowbit_sparse_ffn_host_reference(pred: LowbitPredictor, gate, up, down, x, family: str
                                      ) -> tuple[np.ndarray, np.ndarray]:
   """NumPy (float64) reference of `lowbit_sparse_ffn_host`; also returns the estimates.
 
   Returns (y: f32[b, D], active: i64[b], est: f64[b, n]).
   """
-
-  def dequant(codes, scales):
-    q = np.empty((codes.shape[0], codes.shape[1] * 2), np.float64)
-    q[:, 0::2] = (codes & 15).astype(np.float64) - 8.0
-    q[:, 1::2] = (codes >> 4).astype(np.float64) - 8.0
-    return q * np.repeat(np.asarray(scales, np.float64), BLOCK, axis=1)
-
-  def act(g, u):
-    if family == "swiglu":
-      return g / (1.0 + np.exp(-g)) * u
-    if family == "reglu":
-      return np.maximum(g, 0.0) * u
-    return np.maximum(g, 0.0) * np.maximum(u, 0.0)
-
   x = np.asarray(x, np.float64)
-  est = np.abs(act(x @ dequant(pred.gate_codes, pred.gate_scales).T,
-                   x @ dequant(pred.up_codes, pred.up_scales).T))
+  est = np.abs(activation_reference(x @ dequantize_q4_reference(pred.gate_codes,
+                                                                pred.gate_scales).T,
+                                    x @ dequantize_q4_reference(pred.up_codes,
+                                                                pred.up_scales).T, family))
   keep = est >= pred.cut
-  a = act(x @ np.asarray(gate, np.float64).T, x @ np.asarray(up, np.float64).T) * keep
+  a = activation_reference(x @ np.asarray(gate, np.float64).T,
+                           x @ np.asarray(up, np.float64).T, family) * keep
   y = a @ np.asarray(down, np.float64)
   return y.astype(np.float32), keep.sum(axis=1).astype(np.int64), est

@@ -109,33 +109,24 @@ def bench_llama(llm, *, n_prompt: int, n_gen: int, reps: int,
   bos = int(bos) if bos is not None and bos >= 0 else None
   rng = np.random.default_rng(seed)
   results = []
-  if n_prompt:
-    tokens = [int(t) for t in rng.integers(0, n_vocab, n_prompt)]
+  # pp: all ids in one eval call; tg: one eval call per id (llama-bench's two tests).
+  for name, n, batches in (("pp", n_prompt, lambda ids: [ids]),
+                           ("tg", n_gen, lambda ids: [[t] for t in ids])):
+    if not n:
+      continue
+    tokens = [int(t) for t in rng.integers(0, n_vocab, n)]
     if bos is not None:
       tokens[0] = bos
     rates = []
     for rep in range(reps + 1):
       _clear(llm)
       t0 = time.perf_counter()
-      llm.eval(tokens)
-      _synchronize(llm)
-      if rep:  # Repetition 0 is the warm-up.
-        rates.append(n_prompt / (time.perf_counter() - t0))
-    results.append(bench_lib.BenchResult(f"pp{n_prompt}", rates, 0.0))
-  if n_gen:
-    tokens = [int(t) for t in rng.integers(0, n_vocab, n_gen)]
-    if bos is not None:
-      tokens[0] = bos
-    rates = []
-    for rep in range(reps + 1):
-      _clear(llm)
-      t0 = time.perf_counter()
-      for token in tokens:
-        llm.eval([token])
+      for batch in batches(tokens):
+        llm.eval(batch)
         _synchronize(llm)
-      if rep:
-        rates.append(n_gen / (time.perf_counter() - t0))
-    results.append(bench_lib.BenchResult(f"tg{n_gen}", rates, 0.0))
+      if rep:  # Repetition 0 is the warm-up.
+        rates.append(n / (time.perf_counter() - t0))
+    results.append(bench_lib.BenchResult(f"{name}{n}", rates, 0.0))
   return results
 
 

@@ -606,22 +606,9 @@ def lowbit_contribution(params: dict, h: jax.Array, family: str) -> jax.Array:
 
 
 def lowbit_contribution_reference(params: dict, h: np.ndarray, family: str) -> np.ndarray:
-  """Plain NumPy (float64) reference of `lowbit_contribution`."""
-
-  def dequant(codes, scales):
-    codes = np.asarray(codes)
-    q = np.empty((codes.shape[0], codes.shape[1] * 2), np.float64)
-    q[:, 0::2] = (codes & 15).astype(np.float64) - 8.0
-    q[:, 1::2] = (codes >> 4).astype(np.float64) - 8.0
-    return q * np.repeat(np.asarray(scales, np.float64), LOWBIT_BLOCK, axis=1)
-
+  """Plain NumPy (float64) reference of `lowbit_contribution` (same layout as host_ops.lowbit)."""
+  from host_ops import lowbit as host_lowbit
   h = np.asarray(h, np.float64)
-  g = h @ dequant(params["gate_codes"], params["gate_scales"]).T
-  u = h @ dequant(params["up_codes"], params["up_scales"]).T
-  if family == "swiglu":
-    return np.abs(g / (1.0 + np.exp(-g)) * u)
-  if family == "reglu":
-    return np.abs(np.maximum(g, 0.0) * u)
-  if family == "drelu":
-    return np.maximum(g, 0.0) * np.maximum(u, 0.0)
-  raise ValueError(f"no low-bit reference for family {family!r}")
+  g = h @ host_lowbit.dequantize_q4_reference(params["gate_codes"], params["gate_scales"]).T
+  u = h @ host_lowbit.dequantize_q4_reference(params["up_codes"], params["up_scales"]).T
+  return np.abs(host_lowbit.activation_reference(g, u, family))
