@@ -118,6 +118,9 @@ def weight_bytes_per_token(model, ffn_sparsity: float) -> tuple[int, int]:
   every hot row; the GPU kernel only active ones) and the active share of the cold rows.
   """
   cfg = model.config
+  if model.host_decoder is not None:  # Quantized host weights: the blocks' bytes, all read.
+    total = model.host_decoder.bytes_per_token()
+    return total, total
   item = model.dtype.itemsize
   total = cfg.n_params() * item
   ffn = 3 * cfg.hidden_size * cfg.intermediate_size * cfg.n_layers * item
@@ -139,6 +142,22 @@ def weight_bytes_per_token(model, ffn_sparsity: float) -> tuple[int, int]:
   return int(total - ffn + hot + (1.0 - ffn_sparsity) * cold + pred), total
 
 
+def weights_label(model) -> str:
+  """How the weights are held: "f32" (XLA), or e.g. "q4_1+q8_0 host" (`--host_weights`)."""
+  dec = model.host_decoder
+  if dec is None:
+    return str(model.dtype)
+  kinds = sorted({w.kind for layer in dec.layers for w in layer.matrices()} | {dec.lm_head.kind})
+  return "+".join(kinds) + " host"
+
+
+def weights_size_bytes(model) -> int:
+  """Bytes of weights held for inference (the host blocks with host weights)."""
+  if model.host_decoder is not None:
+    return model.host_decoder.nbytes()
+  return model.config.n_params() * model.dtype.itemsize
+
+
 def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int) -> list[dict[str, Any]]:
   rows = []
   tests = []
@@ -146,9 +165,9 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int) -> list[di
     tests.append(bench_prefill(model, n_prompt, reps))
   if n_gen:
     tests.append(bench_decode(model, n_gen, reps))
-  size = model.config.n_params() * model.dtype.itemsize
+  size = weights_size_bytes(model)
   for r in tests:
-    row = {"model": model.path, "size_gib": size / 2 ** 30,
+    row = {"model": model.path, "size_gib": size / 2 ** 30, "weights": weights_label(model),
            "params_m": model.config.n_params() / 1e6,
            "backend": jax.default_backend(), "threads": threads, "mode": model.sparse_mode,
            "test": r.test, "t_s_mean": r.mean, "t_s_sd": r.sd, "compile_s": r.compile_s,
@@ -162,11 +181,12 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int) -> list[di
 
 
 def format_markdown(rows: list[dict[str, Any]]) -> str:
-  out = ["| model | size | params | backend | threads | mode | test | t/s |",
-         "| --- | ---: | ---: | --- | ---: | --- | --- | ---: |"]
+  out = ["| model | size | params | weights | backend | threads | mode | test | t/s |",
+         "| --- | ---: | ---: | --- | --- | ---: | --- | --- | ---: |"]
   for r in rows:
     out.append(f"| {r['model'].split('/')[-1]} | {r['size_gib']:.2f} GiB | "
-               f"{r['params_m']:.1f} M | {r['backend']} | {r['threads']} | {r['mode']} | "
+               f"{r['params_m']:.1f} M | {r.get('weights', '')} | {r['backend']} | "
+               f"{r['threads']} | {r['mode']} | "
                f"{r['test']} | {r['t_s_mean']:.2f} ± {r['t_s_sd']:.2f} |")
   for r in rows:
     extra = f"{r['test']}: compile {r['compile_s']:.2f} s"

@@ -124,8 +124,18 @@ class Stream:
       raise StopIteration from None
 
 
+def _is_host_quant(spec) -> bool:
+  from pijax import host_quant
+  return isinstance(spec, host_quant.HostQuantSpec)
+
+
 def _run(params, cache, tokens, length, pos, *, config, kv_len, sparse, all_logits):
   """Dense or hybrid prefill: (logits, cache, active_fraction f32[L] (ones when dense))."""
+  if _is_host_quant(sparse):
+    from pijax import host_quant
+    logits, cache = host_quant.prefill(cache, tokens, length, config=config, kv_len=kv_len,
+                                       spec=sparse, pos=pos, all_logits=all_logits)
+    return logits, cache, jnp.ones((config.n_layers,), jnp.float32)
   if sparse is None:
     logits, cache = model_lib.prefill(params, cache, tokens, length, config=config,
                                       kv_len=kv_len, pos=pos, all_logits=all_logits)
@@ -155,7 +165,12 @@ def _prefill_chunk(params, cache, tokens, length, pos, *, config, kv_len, sparse
 def _decode_sample(params, cache, tokens, pos, key, sparams, recent, *, config, kv_len,
                    sparse=None):
   """Decode one token + sample the next. Returns (token i32[B], cache, key, active)."""
-  if sparse is None:
+  if _is_host_quant(sparse):
+    from pijax import host_quant
+    logits, cache = host_quant.decode_step(cache, tokens, pos, config=config, kv_len=kv_len,
+                                           spec=sparse)
+    active = jnp.ones((config.n_layers,), jnp.float32)
+  elif sparse is None:
     logits, cache = model_lib.decode_step(params, cache, tokens, pos, config=config,
                                           kv_len=kv_len)
     active = jnp.ones((config.n_layers,), jnp.float32)
@@ -201,13 +216,58 @@ class Model:
     self.sparse = None  # pijax.bundle.SparseBundle when loaded from a converted bundle.
     self.sparse_spec = None  # pijax.hybrid.SparseSpec when a sparse mode is configured.
     self._hybrid_params = None  # Param tree of the hybrid step (sparse modes).
+    self.host_spec = None  # pijax.host_quant.HostQuantSpec when host weights are configured.
+    self.host_decoder = None  # Its host_ops.decoder.HostDecoder.
     self._compiled: dict[tuple, Any] = {}
     self.compile_s = 0.0  # Total AOT compile time so far.
 
   @property
   def _run_params(self) -> Any:
-    """What the step functions get: hybrid params in sparse modes, else the dense params."""
+    """What the step functions get: hybrid params in sparse modes, none with host weights (they
+    live in the host decoder), else the dense params."""
+    if self.host_spec is not None:
+      return {}
     return self.params if self.sparse_spec is None else self._hybrid_params
+
+  @property
+  def host_weights(self) -> str:
+    """"off" (f32 weights in XLA) or the host weight format ("gguf" | "q8_0")."""
+    return "off" if self.host_spec is None else self.host_spec.weights
+
+  def configure_host_weights(self, weights: str = "auto") -> str:
+    """Runs the dense model with quantized host weights (see `pijax.host_quant`).
+
+    Args:
+      weights: "off" | "gguf" | "q8_0" | "auto" ("gguf" on a CPU backend for a plain GGUF
+        whose layer matrices are all Q4_1/Q8_0, else "off").
+
+    Returns:
+      The format now in use ("off" | "gguf" | "q8_0").
+
+    Raises:
+      ConfigError: an unknown format, a sparse mode or bundle (host weights are dense-only).
+    """
+    from pijax import host_quant
+    from host_ops import decoder as decoder_lib
+    if weights not in host_quant.WEIGHT_CHOICES:
+      raise ConfigError(f"--host_weights={weights!r} must be one of "
+                        f"{', '.join(host_quant.WEIGHT_CHOICES)}.")
+    if weights == host_quant.WEIGHTS_AUTO:
+      weights = host_quant.WEIGHTS_GGUF if (
+          jax.default_backend() == "cpu" and self.sparse is None and self.sparse_spec is None
+          and host_quant.file_is_block_quantized(self.path)) else host_quant.WEIGHTS_OFF
+    if self.host_spec is not None:
+      decoder_lib.unregister(self.host_spec.handle)
+      self.host_spec, self.host_decoder = None, None
+    self._compiled.clear()
+    if weights == host_quant.WEIGHTS_OFF:
+      return weights
+    if self.sparse is not None or self.sparse_spec is not None:
+      raise ConfigError(f"--host_weights={weights} runs the dense model from a GGUF; "
+                        f"{self.path} is a sparse bundle (use --host_weights=off there).")
+    self.host_decoder = host_quant.build_decoder(self.path, self.config, weights)
+    self.host_spec = host_quant.HostQuantSpec(decoder_lib.register(self.host_decoder), weights)
+    return weights
 
   @property
   def sparse_mode(self) -> str:
@@ -258,6 +318,8 @@ class Model:
     if mode == hybrid.MODE_OFF:
       self.sparse_spec, self._hybrid_params = None, None
       return
+    if self.host_spec is not None:  # Sparse modes run the f32 hybrid step.
+      self.configure_host_weights("off")
     hot_counts = None
     if hot_ratio is not None or device_budget_gb is not None:
       hot_counts = self.replace(hot_ratio=hot_ratio, device_budget_gb=device_budget_gb)
@@ -292,7 +354,7 @@ class Model:
 
   def _compiled_fn(self, kind: str, fn, static: dict, args: tuple, donate: tuple[int, ...]):
     """AOT-compiles `fn` for these argument shapes once; returns the executable."""
-    static = dict(static, sparse=self.sparse_spec)
+    static = dict(static, sparse=self.sparse_spec if self.host_spec is None else self.host_spec)
     key = (kind, tuple(sorted(static.items(), key=lambda kv: kv[0])),
            tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(args)))
     exe = self._compiled.get(key)
@@ -310,7 +372,11 @@ class Model:
     return sum(1 for key in self._compiled if key[0] == kind)
 
   def new_cache(self, batch: int = 1) -> model_lib.KVCache:
-    """A zeroed KV cache for `max_seq_len` tokens in the model's dtype."""
+    """A zeroed KV cache for `max_seq_len` tokens in the model's dtype (with host weights: the
+    host's cache, see `pijax.host_quant.new_cache`)."""
+    if self.host_spec is not None:
+      from pijax import host_quant
+      return host_quant.new_cache(self.host_spec, batch, self.max_seq_len)
     return model_lib.init_cache(self.config, batch, self.max_seq_len, self.dtype)
 
   # ----------------------------------------------------------------------------- prompts

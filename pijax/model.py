@@ -130,6 +130,52 @@ class Einsum(nn.Module):
     return jnp.einsum(self.equation, x, kernel.astype(x.dtype))
 
 
+def attention_core(qkv: jax.Array, cache_k: jax.Array, cache_v: jax.Array, pos: jax.Array,
+                   cos: jax.Array, sin: jax.Array, *, config: ModelConfig, kv_len: int
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Grouped-query attention from projected q | k | v, reading and writing one layer's KV cache.
+
+  Args:
+    qkv: [B, T, (N + 2K) H] the q, k, v projections of tokens at positions pos + [0, T).
+    cache_k, cache_v: [B, S, K, H] this layer's cache.
+    pos: i32[] position of the first token.
+    cos, sin: [B, T, R/2] from `rope_angles`.
+    config: static ModelConfig; kv_len: static window [0, kv_len) attended (causal mask).
+
+  Returns:
+    (out [B, T, N H] before the output projection, cache_k, cache_v with [pos, pos + T) written).
+  """
+  cfg = config
+  b, t, _ = qkv.shape
+  n, k, g, h = cfg.n_heads, cfg.n_kv_heads, cfg.n_groups, cfg.head_dim
+  dtype = qkv.dtype
+  q = qkv[..., : n * h].reshape(b, t, n, h)  # [B, T, N, H]
+  key = qkv[..., n * h:(n + k) * h].reshape(b, t, k, h)  # [B, T, K, H]
+  value = qkv[..., (n + k) * h:].reshape(b, t, k, h)  # [B, T, K, H]
+  q = apply_rope(q, cos, sin, cfg.rope_style)
+  key = apply_rope(key, cos, sin, cfg.rope_style)
+
+  # Write this step's keys/values at [:, pos:pos+T], then read the window [0, kv_len).
+  zero = jnp.zeros((), jnp.int32)
+  pos = jnp.asarray(pos, jnp.int32)
+  start = (zero, pos, zero, zero)
+  cache_k = lax.dynamic_update_slice(cache_k, key.astype(cache_k.dtype), start)
+  cache_v = lax.dynamic_update_slice(cache_v, value.astype(cache_v.dtype), start)
+  keys = cache_k[:, :kv_len].astype(dtype)  # [B, S, K, H]
+  values = cache_v[:, :kv_len].astype(dtype)  # [B, S, K, H]
+
+  qg = q.reshape(b, t, k, g, h)  # [B, T, K, G, H]
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, keys,
+                      preferred_element_type=jnp.float32) * (h ** -0.5)
+  q_pos = pos + jnp.arange(t, dtype=jnp.int32)  # [T]
+  k_pos = jnp.arange(kv_len, dtype=jnp.int32)  # [S]
+  causal = k_pos[None, :] <= q_pos[:, None]  # [T, S]
+  scores = jnp.where(causal, scores, config_lib.MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # [B, K, G, T, S]
+  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values).reshape(b, t, n * h)
+  return out, cache_k, cache_v
+
+
 class Attention(nn.Module):
   """Grouped-query self-attention; reads and writes its layer's KV cache."""
 
@@ -145,35 +191,13 @@ class Attention(nn.Module):
     positions [pos, pos + T) written.
     """
     cfg = self.config
-    b, t, d = x.shape
-    n, k, g, h = cfg.n_heads, cfg.n_kv_heads, cfg.n_groups, cfg.head_dim
+    d = x.shape[-1]
+    n, k, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     # One fused [D, (N + 2K) * H] projection: on XLA CPU three small 3-D einsums ran the
     # decode matvecs at ~6 GB/s, one 2-D matmul at ~19 GB/s (BUILD_NOTES.md, "Layer loop").
     qkv = Einsum((d, (n + 2 * k) * h), "BTD,DE->BTE", name="qkv_proj")(x)  # [B, T, (N+2K)*H]
-    q = qkv[..., : n * h].reshape(b, t, n, h)  # [B, T, N, H]
-    key = qkv[..., n * h:(n + k) * h].reshape(b, t, k, h)  # [B, T, K, H]
-    value = qkv[..., (n + k) * h:].reshape(b, t, k, h)  # [B, T, K, H]
-    q = apply_rope(q, cos, sin, cfg.rope_style)
-    key = apply_rope(key, cos, sin, cfg.rope_style)
-
-    # Write this step's keys/values at [:, pos:pos+T], then read the window [0, kv_len).
-    zero = jnp.zeros((), jnp.int32)
-    pos = jnp.asarray(pos, jnp.int32)
-    start = (zero, pos, zero, zero)
-    cache_k = lax.dynamic_update_slice(cache_k, key.astype(cache_k.dtype), start)
-    cache_v = lax.dynamic_update_slice(cache_v, value.astype(cache_v.dtype), start)
-    keys = cache_k[:, :self.kv_len].astype(x.dtype)  # [B, S, K, H]
-    values = cache_v[:, :self.kv_len].astype(x.dtype)  # [B, S, K, H]
-
-    qg = q.reshape(b, t, k, g, h)  # [B, T, K, G, H]
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, keys,
-                        preferred_element_type=jnp.float32) * (h ** -0.5)
-    q_pos = pos + jnp.arange(t, dtype=jnp.int32)  # [T]
-    k_pos = jnp.arange(self.kv_len, dtype=jnp.int32)  # [S]
-    causal = k_pos[None, :] <= q_pos[:, None]  # [T, S]
-    scores = jnp.where(causal, scores, config_lib.MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)  # [B, K, G, T, S]
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values).reshape(b, t, n * h)
+    out, cache_k, cache_v = attention_core(qkv, cache_k, cache_v, pos, cos, sin, config=cfg,
+                                           kv_len=self.kv_len)
     y = Einsum((n * h, d), "BTE,ED->BTD", name="o_proj")(out)  # [B, T, D]
     return y, cache_k, cache_v
 

@@ -41,6 +41,12 @@ PREFILL_DENSE_TOKENS = flags.DEFINE_integer(
     "every neuron (0 = never; default: the measured switch point).")
 
 
+HOST_WEIGHTS = flags.DEFINE_enum(
+    "host_weights", None, ["auto", "off", "gguf", "q8_0"], "Dense runs: keep the weights on the "
+    "host in quantized blocks, read by numba (gguf: the file's Q4_1/Q8_0 blocks as they are; "
+    "q8_0: everything int8). auto: gguf on a CPU backend for Q4_1/Q8_0 files, else off (f32 XLA).")
+
+
 def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> None:
   """Applies the flags (falling back to the config's fields) to a loaded model.
 
@@ -62,8 +68,18 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
   threads = pick(HOST_THREADS, "host_threads")
   kind = pick(PREDICTOR_KIND, "predictor_kind") or "auto"
   dense_tokens = pick(PREFILL_DENSE_TOKENS, "prefill_dense_tokens")
+  host_weights = pick(HOST_WEIGHTS, "host_weights") or "auto"
   if mode == "off" and model.sparse is None:
-    return  # A plain GGUF runs dense; placement flags mean nothing there.
+    # A plain GGUF runs dense; placement flags mean nothing there.
+    used = model.configure_host_weights(host_weights)
+    if host_weights == "auto" and used != "off":
+      sys.stderr.write(f"pijax: CPU backend, weights kept in the file's blocks on the host "
+                       f"(--host_weights={used}); --host_weights=off runs f32 in XLA.\n")
+    return
+  if host_weights not in ("auto", "off"):
+    from pijax.errors import ConfigError
+    raise ConfigError(f"--host_weights={host_weights} is for dense runs of a GGUF; sparse "
+                      f"modes and bundles use f32 rows (use --host_weights=off).")
   if (mode != "off" and model.sparse is not None and hot_ratio is None and budget is None
       and jax.default_backend() == "cpu"):
     # No accelerator: "device" and host are the same CPU and memory, and the host path is the

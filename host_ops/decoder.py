@@ -1,0 +1,378 @@
+"""A whole decoder on the host, weights in quantized blocks, KV cache in host RAM (numba).
+
+A CPU decode step reads every weight once per token, so its speed is the speed at which weights
+are read (issue 5; ../shared/DESIGN.md §4: XLA CPU reads 4/8-bit weights 20-45x slower than f32).
+Here the host keeps the weights in llama.cpp's block formats (`host_ops.qmatmul`); the jitted
+step (`pijax.host_quant`) calls it and samples.
+The whole forward pass (embedding, every layer with its RoPE, attention and KV cache, the LM
+head) runs in one host call, and only token ids and logits cross it. One call per pass, not per
+layer, because a `jax.pure_callback` costs ~90 us with no work and ~270 us per layer when it sits
+between the layers' XLA attention ops (dev-2c, measured for issue 5: 30 per-layer callbacks and
+XLA attention cost 10 ms per token, the host matmuls themselves 11.7 ms); and the KV cache lives
+on the host because passing it through a callback copies it (3.6 ms per token at 256 positions,
+18.8 ms at 2048).
+
+Arithmetic: the f32 dense model's, on the same weight values: a Q4_1 GGUF kept as Q4_1 gives
+the logits of the f32 path up to summation order.
+
+Layout per STYLE.md: numba kernels (norm, activation, RoPE + attention; matmuls in
+`host_ops.qmatmul`) -> HostDecoder (validates, owns the KV cache) -> registry (handles for
+`jax.experimental.io_callback`) -> `decoder_reference` (float64 NumPy, whole model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numba
+import numpy as np
+
+from host_ops import _common
+from host_ops import qmatmul
+from host_ops._common import HostOpError
+
+
+@dataclasses.dataclass
+class HostLayer:
+  """One decoder layer's host weights.
+
+  attn_norm, ffn_norm: f32[D]; qkv: [(N + 2K) H, D] (q | k | v rows); attn_out: [D, N H];
+  gate, up: [F, D]; down: [D, F] (QMatrix, rows = outputs, as GGUF stores them).
+  """
+
+  attn_norm: np.ndarray
+  qkv: qmatmul.QMatrix
+  attn_out: qmatmul.QMatrix
+  ffn_norm: np.ndarray
+  gate: qmatmul.QMatrix
+  up: qmatmul.QMatrix
+  down: qmatmul.QMatrix
+
+  def matrices(self) -> tuple[qmatmul.QMatrix, ...]:
+    return (self.qkv, self.attn_out, self.gate, self.up, self.down)
+
+
+@numba.njit(**_common._JIT)
+def _rms_norm_kernel(x, scale, eps):
+  """x: f32[b, D] -> x / sqrt(mean(x^2) + eps) * scale (sum of squares in f64)."""
+  out = np.empty_like(x)
+  for r in range(x.shape[0]):
+    ss = 0.0
+    for j in range(x.shape[1]):
+      ss += np.float64(x[r, j]) * np.float64(x[r, j])
+    inv = np.float32(1.0 / np.sqrt(ss / x.shape[1] + eps))
+    for j in range(x.shape[1]):
+      out[r, j] = x[r, j] * inv * scale[j]
+  return out
+
+
+@numba.njit(**_common._JIT)
+def _activation_kernel(g, u, code):
+  """act(g, u) elementwise for the FFN family `code`; g, u: f32[b, F]."""
+  out = np.empty_like(g)
+  for r in range(g.shape[0]):
+    for j in range(g.shape[1]):
+      out[r, j] = _common.activation(g[r, j], u[r, j], code)
+  return out
+
+
+@numba.njit(inline="always", **_common._JIT)
+def _rope_head(src, dst, cos_t, sin_t, adjacent):
+  """dst = src (one head, f32[H]) with its first R = 2 len(cos_t) dims rotated."""
+  half = cos_t.shape[0]
+  for j in range(src.shape[0]):
+    dst[j] = src[j]
+  for j in range(half):
+    if adjacent:  # pairs (2j, 2j + 1): GGUF llama layout
+      a, c = 2 * j, 2 * j + 1
+    else:  # pairs (j, j + R/2): NeoX / Hugging Face layout
+      a, c = j, j + half
+    x0 = src[a]
+    x1 = src[c]
+    dst[a] = x0 * cos_t[j] - x1 * sin_t[j]
+    dst[c] = x0 * sin_t[j] + x1 * cos_t[j]
+
+
+@numba.njit(parallel=True, **_common._JIT)
+def _attention_kernel(qkv, cache_k, cache_v, pos, cos, sin, adjacent, n_heads, n_kv, scale):
+  """Causal grouped-query attention for t new tokens, writing their keys/values to the cache.
+
+  qkv: f32[b, t, N + 2K, H] (q heads, then k, then v, before RoPE); cache_k, cache_v:
+  f32[b, S, K, H] (positions < pos already filled); cos, sin: f32[t, R/2].
+  Returns f32[b t, N H]: softmax(q k^T * scale) v per head over positions [0, pos + i].
+  """
+  b, t, _, hd = qkv.shape
+  group = n_heads // n_kv
+  for job in numba.prange(b * t * n_kv):  # Write this chunk's rotated keys and values.
+    r = job // (t * n_kv)
+    i = (job // n_kv) % t
+    kv = job % n_kv
+    _rope_head(qkv[r, i, n_heads + kv], cache_k[r, pos + i, kv], cos[i], sin[i], adjacent)
+    for j in range(hd):
+      cache_v[r, pos + i, kv, j] = qkv[r, i, n_heads + n_kv + kv, j]
+  out = np.empty((b * t, n_heads * hd), np.float32)
+  for job in numba.prange(b * t * n_heads):
+    r = job // (t * n_heads)
+    i = (job // n_heads) % t
+    head = job % n_heads
+    kv = head // group
+    q = np.empty(hd, np.float32)
+    _rope_head(qkv[r, i, head], q, cos[i], sin[i], adjacent)
+    last = pos + i  # inclusive: causal
+    scores = np.empty(last + 1, np.float32)
+    top = np.float32(-np.inf)
+    for s in range(last + 1):
+      acc = np.float32(0.0)
+      krow = cache_k[r, s, kv]
+      for j in range(hd):
+        acc += q[j] * krow[j]
+      acc *= scale
+      scores[s] = acc
+      top = max(top, acc)
+    total = np.float32(0.0)
+    for s in range(last + 1):
+      e = np.exp(scores[s] - top)
+      scores[s] = e
+      total += e
+    o = out[r * t + i, head * hd:(head + 1) * hd]
+    for j in range(hd):
+      o[j] = 0.0
+    for s in range(last + 1):
+      w = scores[s] / total
+      vrow = cache_v[r, s, kv]
+      for j in range(hd):
+        o[j] += w * vrow[j]
+  return out
+
+
+class HostDecoder:
+  """A whole decoder's weights on the host (see the module docstring for the call sequence).
+
+  Args:
+    embedding: [V, D] QMatrix (token embedding rows).
+    layers: HostLayer per layer.
+    final_norm: f32[D].
+    lm_head: [V, D] QMatrix (the embedding itself when the model ties them).
+    eps: RMSNorm epsilon; family: FFN family ("swiglu" | "reglu" | "drelu").
+
+  Raises:
+    HostOpError: inconsistent shapes or an unknown family.
+  """
+
+  def __init__(self, embedding: qmatmul.QMatrix, layers: list[HostLayer],
+               final_norm: np.ndarray, lm_head: qmatmul.QMatrix, *, eps: float, family: str,
+               n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: float, rope_dim: int,
+               rope_scale: float = 1.0, rope_adjacent: bool = True):
+    self.code = _common.family_code(family)
+    if n_heads % n_kv_heads or rope_dim > head_dim or rope_dim % 2:
+      raise HostOpError(f"bad attention shape: {n_heads} heads, {n_kv_heads} KV heads, head_dim "
+                        f"{head_dim}, rope_dim {rope_dim}")
+    self.n_heads, self.n_kv_heads, self.head_dim = int(n_heads), int(n_kv_heads), int(head_dim)
+    self.rope_theta, self.rope_dim = float(rope_theta), int(rope_dim)
+    self.rope_scale, self.rope_adjacent = float(rope_scale), bool(rope_adjacent)
+    self._cache_k = self._cache_v = None
+    self._cache_id = 0
+    self.family = family
+    self.eps = float(eps)
+    self.embedding = embedding
+    self.layers = list(layers)
+    self.final_norm = np.ascontiguousarray(final_norm, np.float32)
+    self.lm_head = lm_head
+    d = embedding.shape[1]
+    self.hidden_size = d
+    if not self.layers:
+      raise HostOpError("a host decoder needs at least one layer")
+    for i, layer in enumerate(self.layers):
+      f = layer.gate.shape[0]
+      want = {"qkv": ((n_heads + 2 * n_kv_heads) * head_dim, d),
+              "attn_out": (d, n_heads * head_dim),
+              "gate": (f, d), "up": (f, d), "down": (d, f)}
+      for name, shape in want.items():
+        if getattr(layer, name).shape != shape:
+          raise HostOpError(f"layer {i}: {name} has shape {getattr(layer, name).shape}, "
+                            f"expected {shape}")
+      for name in ("attn_norm", "ffn_norm"):
+        setattr(layer, name, np.ascontiguousarray(getattr(layer, name), np.float32))
+        if getattr(layer, name).shape != (d,):
+          raise HostOpError(f"layer {i}: {name} must be f32[{d}]")
+    if lm_head.shape[1] != d or self.final_norm.shape != (d,):
+      raise HostOpError(f"lm_head {lm_head.shape} / final_norm {self.final_norm.shape} do not "
+                        f"match hidden size {d}")
+
+  @property
+  def n_layers(self) -> int:
+    return len(self.layers)
+
+  @property
+  def qkv_size(self) -> int:
+    return self.layers[0].qkv.shape[0]
+
+  @property
+  def vocab_size(self) -> int:
+    return self.lm_head.shape[0]
+
+  def bytes_per_token(self) -> int:
+    """Weight bytes one decode token reads, in GGUF block bytes (f16 scales): every layer
+    matrix and the LM head (embedding lookups read one row, not counted)."""
+    return sum(w.file_bytes() for layer in self.layers for w in layer.matrices()) + \
+        self.lm_head.file_bytes()
+
+  def nbytes(self) -> int:
+    """Host bytes held (codes, f32 scales, norms); a tied head is counted once."""
+    mats = [w for layer in self.layers for w in layer.matrices()] + [self.embedding]
+    if self.lm_head is not self.embedding:
+      mats.append(self.lm_head)
+    return sum(w.nbytes for w in mats) + 4 * self.hidden_size * (2 * self.n_layers + 1)
+
+  # ------------------------------------------------------------------------- KV cache
+  def new_cache(self, batch: int, max_seq_len: int) -> int:
+    """(Re)allocates the host KV cache for `batch` rows of `max_seq_len` tokens; returns its id.
+
+    The host holds one live cache per decoder (one sequence batch at a time): a newer cache
+    supersedes the older one, and running a superseded id raises instead of mixing states.
+    """
+    shape = (self.n_layers, batch, max_seq_len, self.n_kv_heads, self.head_dim)
+    if self._cache_k is None or self._cache_k.shape != shape:
+      self._cache_k = np.zeros(shape, np.float32)
+      self._cache_v = np.zeros(shape, np.float32)
+    self._cache_id += 1
+    return self._cache_id
+
+  def kv_bytes(self) -> int:
+    """Bytes of the live host KV cache (0 before the first `new_cache`)."""
+    return 0 if self._cache_k is None else 2 * self._cache_k.nbytes
+
+  # ------------------------------------------------------------------------- forward
+  def _norm(self, x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    return _rms_norm_kernel(x, scale, self.eps)
+
+  def _rope_tables(self, pos: int, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin: f32[t, R/2] for positions pos + [0, t) (RoFormer §3.4; as pijax.model)."""
+    half = self.rope_dim // 2
+    inv_freq = np.float32(self.rope_theta) ** (
+        -np.arange(half, dtype=np.float32) * np.float32(2.0) / np.float32(self.rope_dim))
+    angles = (np.arange(pos, pos + t, dtype=np.float32)[:, None] / np.float32(self.rope_scale)
+              * inv_freq.astype(np.float32))
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+  def forward(self, cache_id: int, tokens, pos: int, rows=None) -> np.ndarray:
+    """Runs tokens through the decoder, reading and writing the live host KV cache.
+
+    Args:
+      cache_id: from `new_cache`.
+      tokens: int[b, t] ids at positions pos + [0, t).
+      pos: position of tokens[:, 0]; pos + t <= the cache's max_seq_len.
+      rows: None for logits at every position, or int[b * t] flat rows (r * t + i) to keep.
+
+    Returns:
+      f32[b * t, V] logits (or f32[len(rows), V]).
+
+    Raises:
+      HostOpError: a superseded cache, a batch/length that does not fit the cache, bad ids.
+    """
+    tokens = np.asarray(tokens)
+    b, t = tokens.shape
+    if cache_id != self._cache_id or self._cache_k is None:
+      raise HostOpError("this KV cache is no longer live: a newer cache of the same model "
+                        "replaced it (host weights run one sequence batch at a time per model)")
+    _, cb, seq, _, _ = self._cache_k.shape
+    if b != cb or not 0 <= pos <= seq - t:
+      raise HostOpError(f"tokens [{b}, {t}] at position {pos} do not fit the KV cache "
+                        f"[{cb} rows, {seq} positions]")
+    n, k, hd = self.n_heads, self.n_kv_heads, self.head_dim
+    cos, sin = self._rope_tables(pos, t)
+    x = self.embedding.rows_f32(tokens.reshape(-1))  # [b t, D]
+    scale = np.float32(hd ** -0.5)
+    for i, layer in enumerate(self.layers):
+      qkv = layer.qkv.matmul(self._norm(x, layer.attn_norm))  # [b t, (N + 2K) H]
+      attn = _attention_kernel(qkv.reshape(b, t, n + 2 * k, hd), self._cache_k[i],
+                               self._cache_v[i], pos, cos, sin, self.rope_adjacent, n, k,
+                               scale)  # [b t, N H]
+      x = x + layer.attn_out.matmul(attn)
+      h = self._norm(x, layer.ffn_norm)
+      a = _activation_kernel(layer.gate.matmul(h), layer.up.matmul(h), self.code)
+      x = x + layer.down.matmul(a)
+    if rows is not None:
+      x = x[np.asarray(rows, np.int64)]
+    return self.lm_head.matmul(self._norm(x, self.final_norm))
+
+  def __repr__(self) -> str:
+    kinds = sorted({w.kind for layer in self.layers for w in layer.matrices()})
+    return (f"HostDecoder({self.n_layers} layers, {'/'.join(kinds)}, head {self.lm_head.kind}, "
+            f"{self.nbytes() / 1e6:.1f} MB)")
+
+
+def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
+  """Float64 NumPy reference of `HostDecoder.forward` for one fresh sequence (positions 0..T-1).
+
+  tokens: int[T]. Returns f32[T, V] logits. Dequantizes with `qmatmul.dequantize_reference`;
+  RoPE and causal grouped-query attention written out from their definitions.
+  """
+  n, k, hd = dec.n_heads, dec.n_kv_heads, dec.head_dim
+  tokens = np.asarray(tokens).reshape(-1)
+  t = tokens.shape[0]
+  half = dec.rope_dim // 2
+  inv_freq = dec.rope_theta ** (-np.arange(half) * 2.0 / dec.rope_dim)
+  ang = np.arange(t)[:, None] / dec.rope_scale * inv_freq  # [T, R/2]
+  cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+
+  def rope(x):  # [T, heads, H]
+    x = x.copy()
+    if dec.rope_adjacent:
+      a, c = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
+      x[..., 0:2 * half:2], x[..., 1:2 * half:2] = a * cos - c * sin, a * sin + c * cos
+    else:
+      a, c = x[..., :half].copy(), x[..., half:2 * half].copy()
+      x[..., :half], x[..., half:2 * half] = a * cos - c * sin, a * sin + c * cos
+    return x
+
+  def norm(x, scale):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + dec.eps) * scale
+
+  def mm(w, x):
+    return x @ qmatmul.dequantize_reference(w).T
+
+  causal = np.tril(np.ones((t, t), bool))
+  x = qmatmul.dequantize_reference(dec.embedding)[tokens]
+  for layer in dec.layers:
+    qkv = mm(layer.qkv, norm(x, layer.attn_norm.astype(np.float64))).reshape(t, n + 2 * k, hd)
+    q, key, val = rope(qkv[:, :n]), rope(qkv[:, n:n + k]), qkv[:, n + k:]
+    key, val = np.repeat(key, n // k, axis=1), np.repeat(val, n // k, axis=1)  # [T, N, H]
+    scores = np.einsum("tnh,snh->nts", q, key) * hd ** -0.5
+    scores = np.where(causal, scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    attn = np.einsum("nts,snh->tnh", p, val).reshape(t, n * hd)
+    x = x + mm(layer.attn_out, attn)
+    h = norm(x, layer.ffn_norm.astype(np.float64))
+    a = _common.activation_reference(mm(layer.gate, h), mm(layer.up, h), dec.family)
+    x = x + mm(layer.down, a)
+  return mm(dec.lm_head, norm(x, dec.final_norm.astype(np.float64))).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- registry
+_registry: dict[int, HostDecoder] = {}
+_lock = threading.Lock()
+_next = [0]
+
+
+def register(dec: HostDecoder) -> int:
+  """Registers a decoder for jitted code; returns its handle (a Python int)."""
+  with _lock:
+    handle = _next[0]
+    _next[0] += 1
+    _registry[handle] = dec
+  return handle
+
+
+def get(handle: int) -> HostDecoder:
+  try:
+    return _registry[handle]
+  except KeyError:
+    raise HostOpError(f"no host decoder registered under handle {handle}") from None
+
+
+def unregister(handle: int) -> None:
+  with _lock:
+    _registry.pop(handle, None)
