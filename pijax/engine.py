@@ -355,6 +355,9 @@ class Model:
   def _compiled_fn(self, kind: str, fn, static: dict, args: tuple, donate: tuple[int, ...]):
     """AOT-compiles `fn` for these argument shapes once; returns the executable."""
     static = dict(static, sparse=self.sparse_spec if self.host_spec is None else self.host_spec)
+    if self.host_spec is not None and "kv_len" in static:
+      # The host attends exactly [0, pos + T): one executable serves every KV length.
+      static["kv_len"] = 0
     key = (kind, tuple(sorted(static.items(), key=lambda kv: kv[0])),
            tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(args)))
     exe = self._compiled.get(key)

@@ -181,6 +181,17 @@ def test_host_weights_match_transformers(host_model, hf_model, hf_tokenizer):
 
 
 @pytest.mark.slow
+def test_host_weights_decode_compiled_once(host_model):
+  """Decoding across KV-length buckets (250-token prompt + 20 tokens > 256) compiles one decode
+  executable: the host attends exactly [0, pos + 1)."""
+  ids = host_model.encode_prompt(" ".join(["word"] * 400))[:250]
+  host_model._compiled.clear()
+  result = host_model.generate(ids, max_new_tokens=20, temperature=0.8, seed=3)
+  assert len(result.token_ids) >= 8  # Decode positions 250.. cross the 256 bucket.
+  assert host_model.compile_count("decode") == 1
+
+
+@pytest.mark.slow
 def test_q8_0_host_weights_close_to_f32(smollm2_path, hf_model, hf_tokenizer):
   """Every matrix re-quantized to Q8_0 (8-bit blocks of the 4-bit values): top-1 kept at >= 90%
   of positions, logits within 5% of the oracle's range, 1% on average (measured 3.5% / 0.57%).
