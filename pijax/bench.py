@@ -143,12 +143,8 @@ def weight_bytes_per_token(model, ffn_sparsity: float) -> tuple[int, int]:
 
 
 def weights_label(model) -> str:
-  """How the weights are held: "f32" (XLA), or e.g. "q4_1+q8_0 host" (`--host_weights`)."""
-  dec = model.host_decoder
-  if dec is None:
-    return str(model.dtype)
-  kinds = sorted({w.kind for layer in dec.layers for w in layer.matrices()} | {dec.lm_head.kind})
-  return "+".join(kinds) + " host"
+  """How the weights are held: the dtype ("float32", XLA), or e.g. "q4_1+q8_0 host" (`--host_weights`)."""
+  return model.weights_label
 
 
 def weights_size_bytes(model) -> int:

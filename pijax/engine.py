@@ -70,6 +70,7 @@ class GenerationStats:
   decode_s: float = 0.0
   decode_steps: int = 0
   active_sum: float = 0.0  # Sum over decode steps of the mean active FFN fraction.
+  weights: str = "float32"  # How the weights are held (`Model.weights_label`).
 
   def add_active(self, active: np.ndarray) -> None:
     """Records one decode step's per-layer active FFN fractions."""
@@ -93,7 +94,8 @@ class GenerationStats:
             f"load: {self.load_s:.2f} s, compile: {self.compile_s:.2f} s, "
             f"prefill: {self.prefill_tokens_per_s:.1f} tok/s, "
             f"decode: {self.decode_tokens_per_s:.1f} tok/s, "
-            f"FFN sparsity: {self.ffn_sparsity:.1%}, stop: {stop_reason}")
+            f"FFN sparsity: {self.ffn_sparsity:.1%}, weights: {self.weights}, "
+            f"stop: {stop_reason}")
 
 
 @dataclasses.dataclass
@@ -228,6 +230,15 @@ class Model:
     if self.host_spec is not None:
       return {}
     return self.params if self.sparse_spec is None else self._hybrid_params
+
+  @property
+  def weights_label(self) -> str:
+    """How the weights are held: the dtype ("float32", XLA), or e.g. "q4_1+q8_0 host"."""
+    dec = self.host_decoder
+    if dec is None:
+      return str(self.dtype)
+    kinds = {w.kind for layer in dec.layers for w in layer.matrices()} | {dec.lm_head.kind}
+    return "+".join(sorted(kinds)) + " host"
 
   @property
   def host_weights(self) -> str:
@@ -539,7 +550,8 @@ class Model:
                                                 top_p=top_p, min_p=min_p,
                                                 repeat_penalty=repeat_penalty)
     ids = self.encode_prompt(prompt, chat=chat, parse_special=parse_special)
-    stats = GenerationStats(prompt_tokens=len(ids), load_s=self.load_s)
+    stats = GenerationStats(prompt_tokens=len(ids), load_s=self.load_s,
+                            weights=self.weights_label)
 
     def pieces() -> Iterator[str]:
       decoder = self.tokenizer.stream()

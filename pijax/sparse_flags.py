@@ -71,10 +71,9 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
   host_weights = pick(HOST_WEIGHTS, "host_weights") or "auto"
   if mode == "off" and model.sparse is None:
     # A plain GGUF runs dense; placement flags mean nothing there.
-    used = model.configure_host_weights(host_weights)
-    if host_weights == "auto" and used != "off":
-      sys.stderr.write(f"pijax: CPU backend, weights kept in the file's blocks on the host "
-                       f"(--host_weights={used}); --host_weights=off runs f32 in XLA.\n")
+    # Silent on purpose: stderr stays one stats line (or one error line); bench and the
+    # closing stats name the weights.
+    model.configure_host_weights(host_weights)
     return
   if host_weights not in ("auto", "off"):
     from pijax.errors import ConfigError

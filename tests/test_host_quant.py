@@ -221,7 +221,7 @@ def test_cli_host_weights():
   proc = _cli("-m", "pijax.generate", "--config=configs/smollm2_135m.py",
               "--prompt=The capital of France is", "--max_new_tokens=6", "--temperature=0")
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert "Paris" in proc.stdout and "--host_weights=gguf" in proc.stderr
+  assert "Paris" in proc.stdout and "weights: q4_1+q8_0 host" in proc.stderr
   proc = _cli("-m", "pijax.bench", "-m", "default", "-p", "8", "-n", "4", "-r", "1",
               "--host_weights=q8_0")
   assert proc.returncode == 0, proc.stderr[-2000:]
