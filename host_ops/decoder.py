@@ -29,6 +29,7 @@ import numba
 import numpy as np
 
 from host_ops import _common
+from host_ops import gated_ffn as gated_lib
 from host_ops import qmatmul
 from host_ops._common import HostOpError
 
@@ -74,6 +75,16 @@ def _activation_kernel(g, u, code):
   for r in range(g.shape[0]):
     for j in range(g.shape[1]):
       out[r, j] = _common.activation(g[r, j], u[r, j], code)
+  return out
+
+
+@numba.njit(**_common._JIT)
+def _gate_activation(g, code):
+  """act_gate(g): silu(g) (SwiGLU) or relu(g) (ReGLU, dReLU), elementwise over f32[b, F]."""
+  out = np.empty_like(g)
+  for r in range(g.shape[0]):
+    for j in range(g.shape[1]):
+      out[r, j] = _common.activation(g[r, j], np.float32(1.0), 0 if code == 0 else 1)
   return out
 
 
@@ -173,6 +184,10 @@ class HostDecoder:
     self.rope_scale, self.rope_adjacent = float(rope_scale), bool(rope_adjacent)
     self._cache_k = self._cache_v = None
     self._cache_id = 0
+    self.gate_cuts = None  # Per-layer cuts when the gate-first sparse FFN is on (enable_gated).
+    self._down_t = None  # Per-layer neuron-major Q8_0 down rows for it.
+    self._record = None  # Calibration: per-layer lists of |act_gate(g)| (calibrate_gate_cuts).
+    self.last_active = np.ones(len(layers), np.float32)  # Active FFN fraction, last forward.
     self.family = family
     self.eps = float(eps)
     self.embedding = embedding
@@ -212,11 +227,12 @@ class HostDecoder:
   def vocab_size(self) -> int:
     return self.lm_head.shape[0]
 
-  def bytes_per_token(self) -> int:
-    """Weight bytes one decode token reads, in GGUF block bytes (f16 scales): every layer
-    matrix and the LM head (embedding lookups read one row, not counted)."""
-    return sum(w.file_bytes() for layer in self.layers for w in layer.matrices()) + \
-        self.lm_head.file_bytes()
+  def bytes_per_token(self, active_fraction: float | None = None) -> int:
+    """Weight bytes one decode token reads, in GGUF block bytes (f16 scales): the attention
+    matrices, the FFN (`ffn_bytes_per_token`) and the LM head (the embedding lookup reads one
+    row, not counted)."""
+    attn = sum(w.file_bytes() for layer in self.layers for w in (layer.qkv, layer.attn_out))
+    return attn + self.ffn_bytes_per_token(active_fraction) + self.lm_head.file_bytes()
 
   def nbytes(self) -> int:
     """Host bytes held (codes, f32 scales, norms); a tied head is counted once."""
@@ -242,6 +258,54 @@ class HostDecoder:
   def kv_bytes(self) -> int:
     """Bytes of the live host KV cache (0 before the first `new_cache`)."""
     return 0 if self._cache_k is None else 2 * self._cache_k.nbytes
+
+  # ------------------------------------------------------------------------- sparsity
+  def enable_gated(self, cuts) -> None:
+    """Turns on the gate-first sparse FFN (`host_ops.gated_ffn`) with per-layer cuts
+    (float[L], >= 0; ReLU families skip exactly g <= 0 whatever the cut), or off with None.
+
+    The first call stores each layer's down matrix neuron-major in Q8_0 (~1.06 bytes/weight).
+    """
+    if cuts is None:
+      self.gate_cuts = None
+      self.last_active[:] = 1.0
+      return
+    cuts = [float(c) for c in cuts]
+    if len(cuts) != self.n_layers or not all(c >= 0 and np.isfinite(c) for c in cuts):
+      raise HostOpError(f"enable_gated needs {self.n_layers} finite cuts >= 0, got {cuts}")
+    if self._down_t is None:
+      self._down_t = [qmatmul.quantize_q8_0(np.ascontiguousarray(layer.down.dequantize().T))
+                      for layer in self.layers]
+    self.gate_cuts = cuts
+
+  def calibrate_gate_cuts(self, chunks, sparsity: float) -> list[float]:
+    """Per-layer cuts on |act_gate(gate . h)| that skip `sparsity` of the FFN neurons on the
+    calibration tokens (the per-layer quantile; CATS §3). chunks: int[t] token arrays, each run
+    from position 0 with the dense FFN. Returns float[L]. Reallocates the KV cache.
+    """
+    if not 0.0 <= sparsity < 1.0:
+      raise HostOpError(f"target sparsity must be in [0, 1), got {sparsity}")
+    saved = self.gate_cuts
+    self.gate_cuts = None
+    self._record = [[] for _ in self.layers]
+    try:
+      for chunk in chunks:
+        chunk = np.asarray(chunk).reshape(1, -1)
+        self.forward(self.new_cache(1, chunk.shape[1]), chunk, 0, rows=[chunk.shape[1] - 1])
+      return [float(np.quantile(np.concatenate(v), sparsity)) for v in self._record]
+    finally:
+      self._record = None
+      self.gate_cuts = saved
+
+  def ffn_bytes_per_token(self, active_fraction: float | None = None) -> int:
+    """FFN weight bytes one token reads (GGUF block bytes): dense, or gate-first at the given
+    active fraction (all gate rows, the active share of up rows and neuron-major down rows)."""
+    if active_fraction is None:
+      return sum(w.file_bytes() for layer in self.layers for w in (layer.gate, layer.up,
+                                                                    layer.down))
+    down_t = sum(layer.down.shape[0] * layer.down.shape[1] // 32 * 34 for layer in self.layers)
+    return int(sum(layer.gate.file_bytes() + active_fraction * layer.up.file_bytes()
+                   for layer in self.layers) + active_fraction * down_t)
 
   # ------------------------------------------------------------------------- forward
   def _norm(self, x: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -291,8 +355,16 @@ class HostDecoder:
                                scale)  # [b t, N H]
       x = x + layer.attn_out.matmul(attn)
       h = self._norm(x, layer.ffn_norm)
-      a = _activation_kernel(layer.gate.matmul(h), layer.up.matmul(h), self.code)
-      x = x + layer.down.matmul(a)
+      g = layer.gate.matmul(h)
+      if self._record is not None:
+        self._record[i].append(np.abs(_gate_activation(g, self.code)).ravel())
+      if self.gate_cuts is None:
+        x = x + layer.down.matmul(_activation_kernel(g, layer.up.matmul(h), self.code))
+      else:
+        y, active = gated_lib.gated_ffn(g, h, layer.up, self._down_t[i], cut=self.gate_cuts[i],
+                                        family=self.family)
+        x = x + y
+        self.last_active[i] = active.mean() / g.shape[1]
     if rows is not None:
       x = x[np.asarray(rows, np.int64)]
     return self.lm_head.matmul(self._norm(x, self.final_norm))
@@ -307,7 +379,9 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
   """Float64 NumPy reference of `HostDecoder.forward` for one fresh sequence (positions 0..T-1).
 
   tokens: int[T]. Returns f32[T, V] logits. Dequantizes with `qmatmul.dequantize_reference`;
-  RoPE and causal grouped-query attention written out from their definitions.
+  RoPE and causal grouped-query attention written out from their definitions; with the
+  gate-first FFN on (`enable_gated`), neurons whose gate fails the layer's cut are zeroed and
+  the down projection uses the neuron-major Q8_0 rows (`gated_ffn_reference`).
   """
   n, k, hd = dec.n_heads, dec.n_kv_heads, dec.head_dim
   tokens = np.asarray(tokens).reshape(-1)
@@ -334,6 +408,7 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
     return x @ qmatmul.dequantize_reference(w).T
 
   causal = np.tril(np.ones((t, t), bool))
+  seen = []  # Layers done (index into the per-layer gate cuts).
   x = qmatmul.dequantize_reference(dec.embedding)[tokens]
   for layer in dec.layers:
     qkv = mm(layer.qkv, norm(x, layer.attn_norm.astype(np.float64))).reshape(t, n + 2 * k, hd)
@@ -346,8 +421,14 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
     attn = np.einsum("nts,snh->tnh", p, val).reshape(t, n * hd)
     x = x + mm(layer.attn_out, attn)
     h = norm(x, layer.ffn_norm.astype(np.float64))
-    a = _common.activation_reference(mm(layer.gate, h), mm(layer.up, h), dec.family)
-    x = x + mm(layer.down, a)
+    if dec.gate_cuts is None:
+      a = _common.activation_reference(mm(layer.gate, h), mm(layer.up, h), dec.family)
+      x = x + mm(layer.down, a)
+    else:
+      i = len(seen)
+      x = x + gated_lib.gated_ffn_reference(mm(layer.gate, h), h, layer.up, dec._down_t[i],
+                                            cut=dec.gate_cuts[i], family=dec.family)[0]
+    seen.append(i if dec.gate_cuts is not None else 0)
   return mm(dec.lm_head, norm(x, dec.final_norm.astype(np.float64))).astype(np.float32)
 
 

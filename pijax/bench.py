@@ -118,9 +118,10 @@ def weight_bytes_per_token(model, ffn_sparsity: float) -> tuple[int, int]:
   every hot row; the GPU kernel only active ones) and the active share of the cold rows.
   """
   cfg = model.config
-  if model.host_decoder is not None:  # Quantized host weights: the blocks' bytes, all read.
-    total = model.host_decoder.bytes_per_token()
-    return total, total
+  dec = model.host_decoder
+  if dec is not None:  # Quantized host weights: the blocks' bytes (gate-first: active share).
+    active = None if dec.gate_cuts is None else 1.0 - ffn_sparsity
+    return dec.bytes_per_token(active), dec.bytes_per_token()
   item = model.dtype.itemsize
   total = cfg.n_params() * item
   ffn = 3 * cfg.hidden_size * cfg.intermediate_size * cfg.n_layers * item

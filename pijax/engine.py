@@ -135,9 +135,8 @@ def _run(params, cache, tokens, length, pos, *, config, kv_len, sparse, all_logi
   """Dense or hybrid prefill: (logits, cache, active_fraction f32[L] (ones when dense))."""
   if _is_host_quant(sparse):
     from pijax import host_quant
-    logits, cache = host_quant.prefill(cache, tokens, length, config=config, kv_len=kv_len,
-                                       spec=sparse, pos=pos, all_logits=all_logits)
-    return logits, cache, jnp.ones((config.n_layers,), jnp.float32)
+    return host_quant.prefill(cache, tokens, length, config=config, kv_len=kv_len, spec=sparse,
+                              pos=pos, all_logits=all_logits)
   if sparse is None:
     logits, cache = model_lib.prefill(params, cache, tokens, length, config=config,
                                       kv_len=kv_len, pos=pos, all_logits=all_logits)
@@ -169,9 +168,8 @@ def _decode_sample(params, cache, tokens, pos, key, sparams, recent, *, config, 
   """Decode one token + sample the next. Returns (token i32[B], cache, key, active)."""
   if _is_host_quant(sparse):
     from pijax import host_quant
-    logits, cache = host_quant.decode_step(cache, tokens, pos, config=config, kv_len=kv_len,
-                                           spec=sparse)
-    active = jnp.ones((config.n_layers,), jnp.float32)
+    logits, cache, active = host_quant.decode_step(cache, tokens, pos, config=config,
+                                                   kv_len=kv_len, spec=sparse)
   elif sparse is None:
     logits, cache = model_lib.decode_step(params, cache, tokens, pos, config=config,
                                           kv_len=kv_len)
@@ -245,28 +243,43 @@ class Model:
     """"off" (f32 weights in XLA) or the host weight format ("gguf" | "q8_0")."""
     return "off" if self.host_spec is None else self.host_spec.weights
 
-  def configure_host_weights(self, weights: str = "auto") -> str:
+  def configure_host_weights(self, weights: str = "auto", *, gate_sparse: bool = False,
+                             gate_sparsity: float = 0.5,
+                             calibration_file: str | None = None) -> str:
     """Runs the dense model with quantized host weights (see `pijax.host_quant`).
 
     Args:
       weights: "off" | "gguf" | "q8_0" | "auto" ("gguf" on a CPU backend for a plain GGUF
         whose layer matrices are all Q4_1/Q8_0, else "off").
+      gate_sparse: the gate-first sparse FFN (`host_ops.gated_ffn`): ReGLU/dReLU skip exact
+        zeros; SwiGLU skips neurons with |silu(gate . h)| below a per-layer cut calibrated for
+        `gate_sparsity` on `calibration_file` (text; never the evaluation text).
+      gate_sparsity: SwiGLU target fraction of FFN neurons skipped, in [0, 1).
 
     Returns:
       The format now in use ("off" | "gguf" | "q8_0").
 
     Raises:
-      ConfigError: an unknown format, a sparse mode or bundle (host weights are dense-only).
+      ConfigError: an unknown format, a sparse mode or bundle (host weights are dense-only),
+        gate_sparse without host weights, a bad sparsity or a missing calibration file.
     """
-    from pijax import host_quant
     from host_ops import decoder as decoder_lib
+    from pijax import host_quant
     if weights not in host_quant.WEIGHT_CHOICES:
       raise ConfigError(f"--host_weights={weights!r} must be one of "
                         f"{', '.join(host_quant.WEIGHT_CHOICES)}.")
+    if not (0.0 <= gate_sparsity < 1.0):
+      raise ConfigError(f"--gate_sparsity={gate_sparsity} must be in [0, 1).")
     if weights == host_quant.WEIGHTS_AUTO:
       weights = host_quant.WEIGHTS_GGUF if (
           jax.default_backend() == "cpu" and self.sparse is None and self.sparse_spec is None
           and host_quant.file_is_block_quantized(self.path)) else host_quant.WEIGHTS_OFF
+    if gate_sparse and weights == host_quant.WEIGHTS_OFF:
+      raise ConfigError("--gate_sparse runs on quantized host weights: add --host_weights=gguf "
+                        "(or q8_0); it needs a plain GGUF.")
+    chunks = None
+    if gate_sparse and self.config.ffn_family == "swiglu" and gate_sparsity > 0:
+      chunks = self._calibration_chunks(calibration_file)
     if self.host_spec is not None:
       decoder_lib.unregister(self.host_spec.handle)
       self.host_spec, self.host_decoder = None, None
@@ -276,12 +289,46 @@ class Model:
     if self.sparse is not None or self.sparse_spec is not None:
       raise ConfigError(f"--host_weights={weights} runs the dense model from a GGUF; "
                         f"{self.path} is a sparse bundle (use --host_weights=off there).")
+    dec = host_quant.build_decoder(self.path, self.config, weights)
+    if gate_sparse:
+      cuts = [0.0] * dec.n_layers
+      if chunks is not None:
+        cuts = dec.calibrate_gate_cuts(chunks, gate_sparsity)
+      dec.enable_gated(cuts)
+    self.host_decoder = dec
+    self.host_spec = host_quant.HostQuantSpec(decoder_lib.register(dec), weights)
+    return weights
+
+  def _calibration_chunks(self, path: str | None, n_chunks: int = 8, length: int = 256):
+    """Up to n_chunks token arrays of `length` from a text file (calibration data)."""
+    if not path:
+      raise ConfigError("--gate_sparse on a SwiGLU model calibrates its cuts on text: pass "
+                        "--calibration_file=FILE (e.g. ../shared/data/tinyshakespeare/input.txt; "
+                        "never the evaluation text).")
+    try:
+      with open(path, encoding="utf-8") as fh:
+        text = fh.read(400_000)
+    except (OSError, UnicodeDecodeError) as err:
+      raise ConfigError(f"--calibration_file={path}: cannot read it ({err}).") from None
+    ids = self.tokenizer.encode(text, add_special=False)
+    length = min(length, self.max_seq_len)
+    chunks = [np.asarray(ids[i:i + length]) for i in range(0, len(ids) - length + 1, length)]
+    if not chunks:
+      raise ConfigError(f"--calibration_file={path} holds {len(ids)} tokens; need at least "
+                        f"{length}.")
+    return chunks[:n_chunks]
+    if self.sparse is not None or self.sparse_spec is not None:
+      raise ConfigError(f"--host_weights={weights} runs the dense model from a GGUF; "
+                        f"{self.path} is a sparse bundle (use --host_weights=off there).")
     self.host_decoder = host_quant.build_decoder(self.path, self.config, weights)
     self.host_spec = host_quant.HostQuantSpec(decoder_lib.register(self.host_decoder), weights)
     return weights
 
   @property
   def sparse_mode(self) -> str:
+    """"off", the hybrid modes ("oracle", "predictor"), or "gate" (host weights, gate-first)."""
+    if self.host_decoder is not None and self.host_decoder.gate_cuts is not None:
+      return "gate"
     return "off" if self.sparse_spec is None else self.sparse_spec.mode
 
   def configure_sparse(self, mode: str = "off", *, hot_ratio: float | None = None,

@@ -143,12 +143,13 @@ def new_cache(spec: HostQuantSpec, batch: int, max_seq_len: int) -> model_lib.KV
 
 
 def _forward_cb(handle: int, all_rows: bool, vocab: int, cache_id: np.ndarray,
-                tokens: np.ndarray, pos: np.ndarray, index: np.ndarray) -> np.ndarray:
+                tokens: np.ndarray, pos: np.ndarray, index: np.ndarray):
   dec = decoder_lib.get(handle)
   b, t = tokens.shape
   rows = None if all_rows else np.arange(b) * t + int(index)
   logits = dec.forward(int(np.asarray(cache_id)[0]), np.asarray(tokens), int(pos), rows)
-  return logits.reshape(b, t, vocab) if all_rows else logits
+  logits = logits.reshape(b, t, vocab) if all_rows else logits
+  return logits, dec.last_active.astype(np.float32)
 
 
 def forward(cache: model_lib.KVCache, tokens: jax.Array, pos: jax.Array, *,
@@ -169,28 +170,31 @@ def forward(cache: model_lib.KVCache, tokens: jax.Array, pos: jax.Array, *,
     logits_index: None for logits at every position, or i32[] (logits of tokens[:, t] only).
 
   Returns:
-    (logits f32[B, T, V] or f32[B, V], the same cache pytree).
+    (logits f32[B, T, V] or f32[B, V], the same cache pytree, active f32[L]: the FFN fraction
+    computed per layer, 1 with the dense FFN; mean over the B T rows).
   """
   del kv_len
   b, t = tokens.shape
   all_rows = logits_index is None
   shape = (b, t, config.vocab_size) if all_rows else (b, config.vocab_size)
   index = jnp.zeros((), jnp.int32) if all_rows else jnp.asarray(logits_index, jnp.int32)
-  logits = io_callback(
+  logits, active = io_callback(
       functools.partial(_forward_cb, spec.handle, all_rows, config.vocab_size),
-      jax.ShapeDtypeStruct(shape, jnp.float32), cache.v[0], tokens.astype(jnp.int32),
-      jnp.asarray(pos, jnp.int32), index)
-  return logits, cache
+      (jax.ShapeDtypeStruct(shape, jnp.float32),
+       jax.ShapeDtypeStruct((config.n_layers,), jnp.float32)),
+      cache.v[0], tokens.astype(jnp.int32), jnp.asarray(pos, jnp.int32), index)
+  return logits, cache, active
 
 
 def prefill(cache, tokens, length, *, config, kv_len, spec, pos=0, all_logits=False):
-  """`pijax.model.prefill` with host weights: (logits, cache)."""
+  """`pijax.model.prefill` with host weights: (logits, cache, active)."""
   index = None if all_logits else jnp.asarray(length, jnp.int32) - 1
   return forward(cache, tokens, jnp.asarray(pos, jnp.int32), config=config, kv_len=kv_len,
                  spec=spec, logits_index=index)
 
 
 def decode_step(cache, tokens, pos, *, config, kv_len, spec):
-  """`pijax.model.decode_step` with host weights: tokens i32[B] -> (logits f32[B, V], cache)."""
+  """`pijax.model.decode_step` with host weights: tokens i32[B] -> (logits f32[B, V], cache,
+  active f32[L])."""
   return forward(cache, tokens[:, None], pos, config=config, kv_len=kv_len, spec=spec,
                  logits_index=jnp.zeros((), jnp.int32))

@@ -47,6 +47,15 @@ HOST_WEIGHTS = flags.DEFINE_enum(
     "q8_0: everything int8). auto: gguf on a CPU backend for Q4_1/Q8_0 files, else off (f32 XLA).")
 
 
+GATE_SPARSE = flags.DEFINE_bool(
+    "gate_sparse", None, "Host weights: gate-first sparse FFN (only neurons the gate marks active "
+    "read their up and down rows; ReGLU/dReLU exact, SwiGLU with calibrated cuts).")
+GATE_SPARSITY = flags.DEFINE_float("gate_sparsity", None, "SwiGLU with --gate_sparse: target "
+                                   "fraction of FFN neurons skipped (default 0.5).")
+CALIBRATION_FILE = flags.DEFINE_string("calibration_file", None, "Text to calibrate "
+                                       "--gate_sparse cuts on (not the evaluation text).")
+
+
 def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> None:
   """Applies the flags (falling back to the config's fields) to a loaded model.
 
@@ -73,7 +82,11 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
     # A plain GGUF runs dense; placement flags mean nothing there.
     # Silent on purpose: stderr stays one stats line (or one error line); bench and the
     # closing stats name the weights.
-    model.configure_host_weights(host_weights)
+    sparsity = pick(GATE_SPARSITY, "gate_sparsity")
+    model.configure_host_weights(
+        host_weights, gate_sparse=bool(pick(GATE_SPARSE, "gate_sparse")),
+        gate_sparsity=0.5 if sparsity is None else sparsity,
+        calibration_file=pick(CALIBRATION_FILE, "calibration_file"))
     return
   if host_weights not in ("auto", "off"):
     from pijax.errors import ConfigError

@@ -140,6 +140,58 @@ def test_decoder_prefill_then_decode_matches_reference(kind, adjacent, family):
                              atol=2e-4 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("family,cut", [("swiglu", 0.05), ("swiglu", 0.0), ("reglu", 0.0),
+                                        ("drelu", 0.0), ("swiglu", 1e9)])
+def test_gated_ffn_matches_reference(kind, family, cut):
+  """Gate-first sparse FFN on random blocks: full (cut 0), partial and empty active sets."""
+  from host_ops import gated_ffn
+  rng = np.random.default_rng(11)
+  up = _random_matrix(rng, kind, 96, 64)
+  down_t = qmatmul.quantize_q8_0(rng.standard_normal((96, 64)).astype(np.float32))
+  h = rng.standard_normal((3, 64)).astype(np.float32)
+  g = rng.standard_normal((3, 96)).astype(np.float32)
+  y, active = gated_ffn.gated_ffn(g, h, up, down_t, cut=cut, family=family)
+  ref, ref_active = gated_ffn.gated_ffn_reference(g, h, up, down_t, cut=cut, family=family)
+  np.testing.assert_array_equal(active, ref_active)
+  np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(ref).max()))
+  if cut >= 1e9:
+    assert (active == 0).all() and (y == 0).all()
+  if family == "swiglu" and cut == 0.0:
+    assert (active == 96).all()
+  if family != "swiglu":
+    assert (active < 96).all() and (active > 0).all()
+  with pytest.raises(HostOpError):
+    gated_ffn.gated_ffn(g, h, up, down_t.take_rows(np.arange(95)), cut=cut, family=family)
+  with pytest.raises(HostOpError):
+    gated_ffn.gated_ffn(g, h, up, down_t, cut=float("nan"), family=family)
+
+
+@pytest.mark.parametrize("family", ["swiglu", "reglu", "drelu"])
+def test_decoder_gated_matches_reference(family):
+  """The decoder with the gate-first FFN (calibrated cuts for SwiGLU) equals the float64
+  reference decoder with the same masks, prefill then decode."""
+  rng = np.random.default_rng(5)
+  dec = _tiny_decoder(rng, "q4_1", adjacent=True, family=family)
+  cuts = dec.calibrate_gate_cuts([rng.integers(0, 50, 12) for _ in range(3)], 0.5)
+  assert all(c > 0 for c in cuts)
+  dec.enable_gated(cuts if family == "swiglu" else [0.0, 0.0])
+  tokens = rng.integers(0, 50, 9)
+  ref = decoder_lib.decoder_reference(dec, tokens)
+  cid = dec.new_cache(1, 16)
+  got = [dec.forward(cid, tokens[None, :6], 0)]
+  for i in range(6, 9):
+    got.append(dec.forward(cid, tokens[None, i:i + 1], i))
+    assert 0.0 < dec.last_active.mean() < 1.0
+  np.testing.assert_allclose(np.concatenate(got), ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
+  dense = dec.bytes_per_token()
+  assert dec.bytes_per_token(0.5) < dense
+  dec.enable_gated(None)
+  assert dec.gate_cuts is None and dec.bytes_per_token() == dense
+  with pytest.raises(HostOpError):
+    dec.enable_gated([0.1])
+
+
 def test_decoder_refuses_stale_cache_and_overflow():
   rng = np.random.default_rng(3)
   dec = _tiny_decoder(rng, "q4_1", adjacent=True)

@@ -1,0 +1,163 @@
+"""Gate-first sparse FFN over quantized host weights (numba): the gate decides, up and down rows
+of inactive neurons are never read.
+
+With 4-bit weights a separate predictor costs as much as the rows it saves (the low-bit
+predictor reads 4.5 bits per gate/up weight, a Q4_1 row 5), so on quantized host weights the
+gate itself is the predictor: gate . h is computed for every neuron (it is needed anyway), and
+only neurons it marks active read their up row and their down row:
+
+  ReGLU, dReLU:  active iff gate . h > 0 (exact: relu(g) = 0 makes the neuron's output 0;
+                 dReLU also drops u <= 0 after reading the up row);
+  SwiGLU:        active iff |silu(gate . h)| >= cut_l, a per-layer cut calibrated for a target
+                 sparsity (CATS, Lee et al. 2024, arXiv 2404.08763 §3: threshold the gate
+                 activation's magnitude; no fine-tuning here).
+
+The down projection is read neuron-major (`down_t`: row i = neuron i's output weights), so it is
+stored re-quantized to Q8_0 from the file's values (the file's down blocks run along the neuron
+axis, where skipping cannot save bytes).
+
+Per-thread partial sums over contiguous neuron ranges, summed in thread order: bitwise
+reproducible for a fixed thread count. Layout: kernels -> `gated_ffn` (validates) -> reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from host_ops import _common
+from host_ops import qmatmul
+from host_ops._common import HostOpError
+
+
+@numba.njit(inline="always", **_common._JIT)
+def _silu(g):
+  gd = np.float64(g)
+  if gd < -80.0:
+    return gd * math.exp(gd)
+  return gd / (1.0 + math.exp(-gd))
+
+
+@numba.njit(inline="always", **_common._JIT)
+def _gate_passes(g, cut, code):
+  """Whether a neuron with gate pre-activation g may be active."""
+  if code == 0:
+    return abs(_silu(g)) >= cut
+  return g > 0
+
+
+@numba.njit(inline="always", **_common._JIT)
+def _add_row_q8_0(acc, a, q_row, d_row):
+  """acc += a * dequant(q_row) (acc: f32[D]; q_row: i8[D]; d_row: f32[D/32])."""
+  for j in range(acc.shape[0]):
+    acc[j] += a * d_row[j >> 5] * np.float32(q_row[j])
+
+
+@numba.njit(parallel=True, **_common._JIT)
+def _gated_q4_1_kernel(g, h, up_qs, up_d, up_m, dt_q, dt_d, cut, code, n_threads):
+  """y[r] = sum over active i of act(g[r, i], up_i . h[r]) * down_t[i]; returns (y, counts).
+
+  g: f32[b, F] gate pre-activations; h: f32[b, D]; up: Q4_1 rows [F, D]; down_t: Q8_0 rows [F, D].
+  """
+  b, f = g.shape
+  dim = h.shape[1]
+  xlo, xhi, xsum = qmatmul.split_q4_1_x(h)
+  partials = np.zeros((n_threads, b, dim), np.float32)
+  counts = np.zeros((n_threads, b), np.int64)
+  for t in numba.prange(n_threads):
+    for i in range(t * f // n_threads, (t + 1) * f // n_threads):
+      for r in range(b):
+        gi = g[r, i]
+        if not _gate_passes(gi, cut, code):
+          continue
+        u = qmatmul._dot_q4_1(up_qs[i], up_d[i], up_m[i], xlo[r], xhi[r], xsum[r])
+        a = _common.activation(gi, u, code)
+        if a == 0:
+          continue
+        counts[t, r] += 1
+        _add_row_q8_0(partials[t, r], a, dt_q[i], dt_d[i])
+  return _reduce(partials, counts)
+
+
+@numba.njit(parallel=True, **_common._JIT)
+def _gated_q8_0_kernel(g, h, up_q, up_d, dt_q, dt_d, cut, code, n_threads):
+  """`_gated_q4_1_kernel` with Q8_0 up rows."""
+  b, f = g.shape
+  dim = h.shape[1]
+  partials = np.zeros((n_threads, b, dim), np.float32)
+  counts = np.zeros((n_threads, b), np.int64)
+  for t in numba.prange(n_threads):
+    for i in range(t * f // n_threads, (t + 1) * f // n_threads):
+      for r in range(b):
+        gi = g[r, i]
+        if not _gate_passes(gi, cut, code):
+          continue
+        u = qmatmul._dot_q8_0(up_q[i], up_d[i], h[r])
+        a = _common.activation(gi, u, code)
+        if a == 0:
+          continue
+        counts[t, r] += 1
+        _add_row_q8_0(partials[t, r], a, dt_q[i], dt_d[i])
+  return _reduce(partials, counts)
+
+
+@numba.njit(**_common._JIT)
+def _reduce(partials, counts):
+  """Thread-order sum: y = ((p0 + p1) + p2) ...; active counts per row."""
+  y = partials[0].copy()
+  total = counts[0].copy()
+  for t in range(1, partials.shape[0]):
+    y += partials[t]
+    total += counts[t]
+  return y, total
+
+
+def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float, family: str
+              ) -> tuple[np.ndarray, np.ndarray]:
+  """The gate-first sparse FFN (module docstring).
+
+  Args:
+    g: f32[b, F] gate pre-activations (gate . h, computed densely by the caller).
+    h: f32[b, D] the FFN input (after ffn_norm).
+    up: [F, D] Q4_1 or Q8_0; down_t: [F, D] Q8_0, neuron-major.
+    cut: SwiGLU: minimum |silu(g)| of an active neuron (>= 0); ignored by ReLU families.
+    family: "swiglu" | "reglu" | "drelu".
+
+  Returns:
+    (y: f32[b, D], active: i64[b] neurons computed per row).
+
+  Raises:
+    HostOpError: shapes or formats that do not match.
+  """
+  code = _common.family_code(family)
+  g = np.ascontiguousarray(g, np.float32)
+  h, _ = _common.prepare_x(h, up.shape[1])
+  f = up.shape[0]
+  if g.shape != (h.shape[0], f) or down_t.shape != up.shape or down_t.kind != qmatmul.Q8_0:
+    raise HostOpError(f"gated_ffn: g {g.shape}, h {h.shape}, up {up.shape}, down_t "
+                      f"{down_t.kind} {down_t.shape} do not match (down_t must be Q8_0 [F, D])")
+  if not (cut >= 0 and math.isfinite(cut)):
+    raise HostOpError(f"gated_ffn: cut must be a finite number >= 0, got {cut}")
+  n_threads = _common.ensure_host_threads()
+  if up.kind == qmatmul.Q4_1:
+    return _gated_q4_1_kernel(g, h, *up.arrays, *down_t.arrays, np.float32(cut), code, n_threads)
+  return _gated_q8_0_kernel(g, h, *up.arrays, *down_t.arrays, np.float32(cut), code, n_threads)
+
+
+def gated_ffn_reference(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
+                        family: str) -> tuple[np.ndarray, np.ndarray]:
+  """Float64 NumPy reference of `gated_ffn`."""
+  g = np.asarray(g, np.float64)
+  h = np.asarray(h, np.float64)
+  u = h @ qmatmul.dequantize_reference(up).T
+  a = _common.activation_reference(g, u, family)
+  if family == "swiglu":
+    with np.errstate(over="ignore"):
+      keep = np.abs(g / (1.0 + np.exp(-g))) >= cut
+  else:
+    keep = g > 0
+  a = np.where(keep, a, 0.0)
+  y = a @ qmatmul.dequantize_reference(down_t)
+  return y.astype(np.float32), (a != 0).sum(axis=1)
