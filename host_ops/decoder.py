@@ -23,6 +23,7 @@ Layout per STYLE.md: numba kernels (norm, activation, RoPE + attention; matmuls 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 
 import numba
@@ -252,7 +253,12 @@ class HostDecoder:
     if self._cache_k is None or self._cache_k.shape != shape:
       self._cache_k = np.zeros(shape, np.float32)
       self._cache_v = np.zeros(shape, np.float32)
-    self._cache_id += 1
+    self._cache_id = next(_CACHE_IDS)  # Process-wide: an id never comes back to life.
+    return self._cache_id
+
+  @property
+  def live_cache_id(self) -> int:
+    """The id of the live KV cache (0 before the first `new_cache`)."""
     return self._cache_id
 
   def kv_bytes(self) -> int:
@@ -433,6 +439,7 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- registry
+_CACHE_IDS = itertools.count(1)
 _registry: dict[int, HostDecoder] = {}
 _lock = threading.Lock()
 _next = [0]

@@ -249,8 +249,9 @@ class Model:
     """Runs the dense model with quantized host weights (see `pijax.host_quant`).
 
     Args:
-      weights: "off" | "gguf" | "q8_0" | "auto" ("gguf" on a CPU backend for a plain GGUF
-        whose layer matrices are all Q4_1/Q8_0, else "off").
+      weights: "off" | "gguf" | "q8_0" | "auto" ("gguf" on a CPU backend for a float32 run of
+        a plain GGUF whose matrices, embedding and head included, are all Q4_1/Q8_0, else
+        "off").
       gate_sparse: the gate-first sparse FFN (`host_ops.gated_ffn`): ReGLU/dReLU skip exact
         zeros; SwiGLU skips neurons with |silu(gate . h)| below a per-layer cut calibrated for
         `gate_sparsity` on `calibration_file` (text; never the evaluation text).
@@ -273,6 +274,7 @@ class Model:
     if weights == host_quant.WEIGHTS_AUTO:
       weights = host_quant.WEIGHTS_GGUF if (
           jax.default_backend() == "cpu" and self.sparse is None and self.sparse_spec is None
+          and self.dtype == np.float32
           and host_quant.file_is_block_quantized(self.path)) else host_quant.WEIGHTS_OFF
     if gate_sparse and weights == host_quant.WEIGHTS_OFF:
       raise ConfigError("--gate_sparse runs on quantized host weights: add --host_weights=gguf "
@@ -290,6 +292,7 @@ class Model:
       raise ConfigError(f"--host_weights={weights} runs the dense model from a GGUF; "
                         f"{self.path} is a sparse bundle (use --host_weights=off there).")
     dec = host_quant.build_decoder(self.path, self.config, weights)
+    dec.forward(dec.new_cache(1, 1), np.zeros((1, 1), np.int64), 0)  # Loads numba's kernels.
     if gate_sparse:
       cuts = [0.0] * dec.n_layers
       if chunks is not None:
@@ -376,16 +379,17 @@ class Model:
     if mode == hybrid.MODE_OFF:
       self.sparse_spec, self._hybrid_params = None, None
       return
-    if self.host_spec is not None:  # Sparse modes run the f32 hybrid step.
-      self.configure_host_weights("off")
     hot_counts = None
     if hot_ratio is not None or device_budget_gb is not None:
       hot_counts = self.replace(hot_ratio=hot_ratio, device_budget_gb=device_budget_gb)
-    self.sparse_spec, self._hybrid_params = hybrid.build_hybrid(
+    spec, hybrid_params = hybrid.build_hybrid(
         self, mode=mode, hot_counts=hot_counts, oracle_threshold=oracle_threshold,
         threshold_scale=threshold_scale, cut_offset=cut_offset, predictor_kind=predictor_kind,
         prefill_dense_tokens=prefill_dense_tokens, overlap=overlap, host_predict=host_predict,
         use_pallas=use_pallas)
+    if self.host_spec is not None:  # Sparse modes run the f32 hybrid step (built without error).
+      self.configure_host_weights("off")
+    self.sparse_spec, self._hybrid_params = spec, hybrid_params
 
   def replace(self, *, hot_ratio: float | None = None,
               device_budget_gb: float | None = None) -> list[int]:
@@ -431,6 +435,20 @@ class Model:
   def compile_count(self, kind: str) -> int:
     """How many executables of this kind ("prefill", "decode", ...) were compiled."""
     return sum(1 for key in self._compiled if key[0] == kind)
+
+  def _live_cache(self):
+    """(host decoder, its live KV cache id) with host weights, else None."""
+    dec = self.host_decoder
+    return None if dec is None else (dec, dec.live_cache_id)
+
+  def _ensure_live(self, live) -> None:
+    """Raises ContextError if a generation's host KV cache is no longer the live one."""
+    if live == self._live_cache():
+      return
+    raise ContextError("this generation's KV cache was superseded: the model's weights were "
+                       "reconfigured, or another generation/prompt_logits call started on the "
+                       "same model (host weights run one sequence at a time); start a new "
+                       "generation.")
 
   def new_cache(self, batch: int = 1) -> model_lib.KVCache:
     """A zeroed KV cache for `max_seq_len` tokens in the model's dtype (with host weights: the
@@ -529,6 +547,7 @@ class Model:
     recent = lambda: jnp.asarray(np.asarray(recent_buf, np.int32)[None])  # noqa: E731
     key = jax.random.PRNGKey(seed)
     cache = self.new_cache(1)
+    live = self._live_cache()
     token, cache, key = self._prefill(cache, ids, key, sparams, recent(), stats)
     stats.compile_s = self.compile_s - compile_before
     pos = len(ids)
@@ -553,6 +572,7 @@ class Model:
       args = (self._run_params, cache, jnp.asarray([tok], jnp.int32), jnp.asarray(pos, jnp.int32),
               key, sparams, recent())
       compile_before = self.compile_s
+      self._ensure_live(live)
       exe = self._compiled_fn("decode", _decode_sample, {"kv_len": kv_len}, args, (1,))
       stats.compile_s += self.compile_s - compile_before
       t0 = time.perf_counter()

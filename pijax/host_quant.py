@@ -13,7 +13,8 @@ Weight formats (`--host_weights`):
   "q8_0": every matrix in Q8_0 (int8 blocks of 32 with one scale: Q8_0 tensors kept, the rest
     re-quantized from their f32 values).
 "auto" (the CLIs' default) picks "gguf" on a CPU backend for a GGUF whose layer matrices are all
-Q4_1 or Q8_0 (nothing re-quantized), and the f32 XLA path ("off") otherwise.
+Q4_1 or Q8_0, token embedding and output head included (nothing re-quantized), and the f32
+XLA path ("off") otherwise.
 
 Step structure (`forward`): one host call per forward pass (`host_ops.decoder.HostDecoder`:
 embedding, every layer with its attention over a host KV cache, LM head), then XLA samples.
@@ -66,9 +67,11 @@ def _tensor_kind(tensor: Any) -> str | None:
 
 
 def file_is_block_quantized(path: str | os.PathLike[str]) -> bool:
-  """True when every layer matrix of the GGUF is Q4_1 or Q8_0 (so "gguf" re-quantizes none)."""
+  """True when every matrix of the GGUF (layers, token embedding, output head) is Q4_1 or Q8_0,
+  so "gguf" re-quantizes nothing. (llama.cpp's Q4_1 files often keep output.weight in Q6_K:
+  those run "off" under "auto".)"""
   reader, _ = gguf_io.open_gguf(os.fspath(path))
-  mats = [t for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+  mats = [t for t in reader.tensors if len(t.shape) == 2]
   return bool(mats) and all(_tensor_kind(t) is not None for t in mats)
 
 
@@ -108,6 +111,10 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
       mats = [qmatmul.quantize_q8_0(loader._dequantize(t, path)) for t in ts]
     return mats[0] if len(mats) == 1 else qmatmul.stack_rows(mats)
 
+  if config.hidden_size % qmatmul.BLOCK or config.intermediate_size % qmatmul.BLOCK:
+    raise ConfigError(f"--host_weights={weights}: {path} has hidden_size {config.hidden_size} / "
+                      f"intermediate_size {config.intermediate_size}, not multiples of "
+                      f"{qmatmul.BLOCK} (the block size); use --host_weights=off.")
   layers = []
   for i in range(config.n_layers):
     p = f"blk.{i}."

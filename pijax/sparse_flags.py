@@ -21,7 +21,8 @@ HOT_RATIO = flags.DEFINE_float("hot_ratio", None, "Re-place at load: this fracti
                                "layer's neurons is device-resident (overrides the bundle).")
 DEVICE_BUDGET_GB = flags.DEFINE_float("device_budget_gb", None,
                                       "Re-place at load for this device budget (GB = 1e9 B).")
-HOST_THREADS = flags.DEFINE_integer("host_threads", None, "numba threads for cold neurons.")
+HOST_THREADS = flags.DEFINE_integer("host_threads", None, "numba threads for host ops (cold neurons, "
+                                    "host weights); 1 on a machine shared with other work.")
 ORACLE_THRESHOLD = flags.DEFINE_float("oracle_threshold", None, "Oracle mode: replace every "
                                       "layer's contribution threshold (0 = every neuron active).")
 
@@ -82,6 +83,12 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
     # A plain GGUF runs dense; placement flags mean nothing there.
     # Silent on purpose: stderr stays one stats line (or one error line); bench and the
     # closing stats name the weights.
+    if threads is not None:
+      if threads < 1:
+        from pijax.errors import ConfigError
+        raise ConfigError(f"--host_threads={threads} must be >= 1.")
+      from host_ops import _common
+      _common.set_host_threads(int(threads))
     sparsity = pick(GATE_SPARSITY, "gate_sparsity")
     model.configure_host_weights(
         host_weights, gate_sparse=bool(pick(GATE_SPARSE, "gate_sparse")),

@@ -280,3 +280,48 @@ def test_cli_host_weights():
   assert "| q8_0 host |" in proc.stdout
   proc = _cli("-m", "pijax.bench", "-m", "default", "-n", "4", "--host_weights=q5")
   assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------ choice, lifetime, errors
+def test_auto_needs_every_matrix_block_quantized(tmp_path):
+  """auto: Q4_1 layers with a Q8_0 tied embedding -> gguf, equal to the f32 path; the same
+  layers with F16 embedding/head (as llama.cpp often writes Q6_K heads) -> off."""
+  import pijax
+  import tiny_models
+  good = tiny_models.write_random_quantized_gguf(tmp_path / "q41_q8.gguf")
+  model = pijax.load(good, max_seq_len=64)
+  ref = model.prompt_logits([0, 5, 9, 77, 3])
+  assert model.configure_host_weights("auto") == "gguf"
+  got = model.prompt_logits([0, 5, 9, 77, 3])
+  np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+  mixed = tiny_models.write_random_quantized_gguf(tmp_path / "q41_f16.gguf", embd_type="F16",
+                                                  output_type="F16")
+  model = pijax.load(mixed, max_seq_len=64)
+  assert model.configure_host_weights("auto") == "off"
+  assert model.configure_host_weights("gguf") == "gguf"  # Asked for: F16 ones re-quantized.
+  assert model.host_decoder.lm_head.kind == "q8_0"
+
+
+def test_superseded_generation_raises(tmp_path):
+  import pijax
+  import tiny_models
+  from pijax.errors import ConfigError, ContextError
+  path = tiny_models.write_random_quantized_gguf(tmp_path / "m.gguf")
+  model = pijax.load(path, max_seq_len=64)
+  model.configure_host_weights("gguf")
+  first = model.stream([0, 5, 9], max_new_tokens=6, temperature=0.0)
+  next(first)
+  second = model.stream([0, 7], max_new_tokens=6, temperature=0.0)
+  next(second)
+  with pytest.raises(ContextError, match="superseded"):
+    list(first)
+  list(second)  # The newer one runs on.
+  # A failed switch to a sparse mode (plain GGUF) leaves the host weights on.
+  with pytest.raises(ConfigError):
+    model.configure_sparse("oracle")
+  assert model.host_weights == "gguf"
+  third = model.stream([0, 5], max_new_tokens=6, temperature=0.0)
+  next(third)
+  model.configure_host_weights("off")
+  with pytest.raises(ContextError, match="superseded"):
+    list(third)

@@ -112,3 +112,68 @@ def use_drelu(model) -> None:
 
   for layer in model.model.layers:
     layer.mlp.forward = forward.__get__(layer.mlp)
+
+
+def write_random_quantized_gguf(path: pathlib.Path, *, layer_type: str = "Q4_1",
+                                embd_type: str = "Q8_0", output_type: str | None = None,
+                                hidden: int = 64, ffn: int = 160, layers: int = 2, heads: int = 4,
+                                kv_heads: int = 2, vocab: int = 256, seed: int = 0
+                                ) -> pathlib.Path:
+  """A random llama GGUF whose matrices are stored as `layer_type` / `embd_type` /
+  `output_type` ("F32", "F16" or a GGML quant type quantized by gguf.quants); no output.weight
+  (tied head) when output_type is None."""
+  rng = np.random.default_rng(seed)
+  w = gguf.GGUFWriter(str(path), "llama")
+  w.add_block_count(layers)
+  w.add_context_length(512)
+  w.add_embedding_length(hidden)
+  w.add_feed_forward_length(ffn)
+  w.add_head_count(heads)
+  w.add_head_count_kv(kv_heads)
+  w.add_rope_freq_base(10000.0)
+  w.add_layer_norm_rms_eps(1e-5)
+  w.add_rope_dimension_count(hidden // heads)
+  w.add_vocab_size(vocab)
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre("gpt2")
+  w.add_token_list(["a", "b", "ab"] + [f"<t{i}>" for i in range(3, vocab)])
+  w.add_token_types([gguf.TokenType.NORMAL] * vocab)
+  w.add_token_merges(["a b"])
+  w.add_bos_token_id(0)
+  w.add_eos_token_id(1)
+
+  def add(name, arr, qtype="F32"):
+    arr = np.ascontiguousarray(arr, np.float32)
+    if arr.ndim == 1 or qtype == "F32":
+      w.add_tensor(name, arr)
+    elif qtype == "F16":
+      w.add_tensor(name, arr.astype(np.float16))
+    else:
+      t = getattr(gguf.GGMLQuantizationType, qtype)
+      q = gguf.quants.quantize(arr, t)
+      w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=t)
+
+  def mat(rows, cols, scale=0.3):
+    return rng.standard_normal((rows, cols)) * scale
+
+  hd = hidden // heads
+  add("token_embd.weight", mat(vocab, hidden, 1.0), embd_type)
+  for i in range(layers):
+    p = f"blk.{i}."
+    add(p + "attn_norm.weight", rng.uniform(0.5, 1.5, hidden))
+    add(p + "attn_q.weight", mat(heads * hd, hidden), layer_type)
+    add(p + "attn_k.weight", mat(kv_heads * hd, hidden), layer_type)
+    add(p + "attn_v.weight", mat(kv_heads * hd, hidden), layer_type)
+    add(p + "attn_output.weight", mat(hidden, heads * hd), layer_type)
+    add(p + "ffn_norm.weight", rng.uniform(0.5, 1.5, hidden))
+    add(p + "ffn_gate.weight", mat(ffn, hidden), layer_type)
+    add(p + "ffn_up.weight", mat(ffn, hidden), layer_type)
+    add(p + "ffn_down.weight", mat(hidden, ffn), layer_type)
+  add("output_norm.weight", rng.uniform(0.5, 1.5, hidden))
+  if output_type is not None:
+    add("output.weight", mat(vocab, hidden), output_type)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return path
