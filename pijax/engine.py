@@ -265,6 +265,7 @@ class Model:
         gate_sparse without host weights, a bad sparsity or a missing calibration file.
     """
     from host_ops import decoder as decoder_lib
+    from host_ops import qmatmul
     from pijax import host_quant
     if weights not in host_quant.WEIGHT_CHOICES:
       raise ConfigError(f"--host_weights={weights!r} must be one of "
@@ -292,7 +293,11 @@ class Model:
       raise ConfigError(f"--host_weights={weights} runs the dense model from a GGUF; "
                         f"{self.path} is a sparse bundle (use --host_weights=off there).")
     dec = host_quant.build_decoder(self.path, self.config, weights)
-    dec.forward(dec.new_cache(1, 1), np.zeros((1, 1), np.int64), 0)  # Loads numba's kernels.
+    # Load (first run: compile) numba's kernels now, not inside the first timed generation:
+    # one decode-sized pass and one prefill-sized pass (above the gemv row limit).
+    rows = qmatmul.GEMV_MAX_ROWS + 1
+    dec.forward(dec.new_cache(1, rows + 1), np.zeros((1, rows), np.int64), 0)
+    dec.forward(dec.live_cache_id, np.zeros((1, 1), np.int64), rows)
     if gate_sparse:
       cuts = [0.0] * dec.n_layers
       if chunks is not None:
