@@ -16,8 +16,8 @@ The down projection is read neuron-major (`down_t`: row i = neuron i's output we
 stored re-quantized to Q8_0 from the file's values (the file's down blocks run along the neuron
 axis, where skipping cannot save bytes).
 
-Per-thread partial sums over contiguous neuron ranges, summed in thread order: bitwise
-reproducible for a fixed thread count. Layout: kernels -> `gated_ffn` (validates) -> reference.
+Per-thread partial sums over contiguous shares of each row's active list, summed in thread
+order: bitwise reproducible for a fixed thread count. Layout: kernels -> `gated_ffn` (validates) -> reference.
 """
 
 from __future__ import annotations
@@ -32,75 +32,100 @@ from host_ops import qmatmul
 from host_ops._common import HostOpError
 
 
-@numba.njit(inline="always", **_common._JIT)
-def _silu(g):
-  gd = np.float64(g)
-  if gd < -80.0:
-    return gd * math.exp(gd)
-  return gd / (1.0 + math.exp(-gd))
+@numba.njit(**_common._JIT)
+def _active_ids(g, cut, code):
+  """Per row, the neurons whose gate passes: ids i32[b, F] (valid first), counts i64[b].
+
+  SwiGLU: |silu(g)| >= cut in f32; ReLU families: g > 0. A separate serial pass (F exps per row
+  in f32) so the parallel pass can split the active neurons evenly between threads.
+  """
+  b, f = g.shape
+  ids = np.empty((b, f), np.int32)
+  counts = np.zeros(b, np.int64)
+  for r in range(b):
+    c = 0
+    for i in range(f):
+      gi = g[r, i]
+      if code == 0:
+        keep = abs(gi / (np.float32(1.0) + np.exp(-max(gi, np.float32(-80.0))))) >= cut
+      else:
+        keep = gi > 0
+      if keep:
+        ids[r, c] = i
+        c += 1
+    counts[r] = c
+  return ids, counts
 
 
 @numba.njit(inline="always", **_common._JIT)
-def _gate_passes(g, cut, code):
-  """Whether a neuron with gate pre-activation g may be active."""
-  if code == 0:
-    return abs(_silu(g)) >= cut
-  return g > 0
-
-
-@numba.njit(inline="always", **_common._JIT)
-def _add_row_q8_0(acc, a, q_row, d_row):
-  """acc += a * dequant(q_row) (acc: f32[D]; q_row: i8[D]; d_row: f32[D/32])."""
-  for j in range(acc.shape[0]):
-    acc[j] += a * d_row[j >> 5] * np.float32(q_row[j])
+def _add_row_q8_0(acc, a, q_row, d_row, block):
+  """acc += a * dequant(q_row) (acc: f32[D]; q_row: i8[D]; d_row: f32[D/32]; block = 32 passed
+  at run time: with a constant inner trip count LLVM unrolls the loop and cannot vectorize the
+  store, as numba cannot tell it acc and the rows do not alias; see host_ops/quant.py)."""
+  for blk in range(d_row.shape[0]):
+    base = blk * block
+    s = a * d_row[blk]
+    for j in range(block):
+      acc[base + j] += s * np.float32(q_row[base + j])
 
 
 @numba.njit(parallel=True, **_common._JIT)
-def _gated_q4_1_kernel(g, h, up_qs, up_d, up_m, dt_q, dt_d, cut, code, n_threads):
+def _gated_q4_1_kernel(g, h, up_qs, up_d, up_m, dt_q, dt_d, cut, code, n_threads, block):
   """y[r] = sum over active i of act(g[r, i], up_i . h[r]) * down_t[i]; returns (y, counts).
 
   g: f32[b, F] gate pre-activations; h: f32[b, D]; up: Q4_1 rows [F, D]; down_t: Q8_0 rows [F, D].
+  Each thread takes a contiguous share of each row's active list, prefetching the next one's rows.
   """
   b, f = g.shape
   dim = h.shape[1]
+  ids, counts = _active_ids(g, cut, code)
   xlo, xhi, xsum = qmatmul.split_q4_1_x(h)
   partials = np.zeros((n_threads, b, dim), np.float32)
-  counts = np.zeros((n_threads, b), np.int64)
+  done = np.zeros((n_threads, b), np.int64)
   for t in numba.prange(n_threads):
-    for i in range(t * f // n_threads, (t + 1) * f // n_threads):
-      for r in range(b):
-        gi = g[r, i]
-        if not _gate_passes(gi, cut, code):
-          continue
+    for r in range(b):
+      lo = t * counts[r] // n_threads
+      hi = (t + 1) * counts[r] // n_threads
+      for j in range(lo, hi):
+        if j + 1 < hi:
+          nxt = ids[r, j + 1]
+          _common.prefetch_head(up_qs[nxt])
+          _common.prefetch_head(dt_q[nxt])
+        i = ids[r, j]
         u = qmatmul._dot_q4_1(up_qs[i], up_d[i], up_m[i], xlo[r], xhi[r], xsum[r])
-        a = _common.activation(gi, u, code)
+        a = _common.activation(g[r, i], u, code)
         if a == 0:
           continue
-        counts[t, r] += 1
-        _add_row_q8_0(partials[t, r], a, dt_q[i], dt_d[i])
-  return _reduce(partials, counts)
+        done[t, r] += 1
+        _add_row_q8_0(partials[t, r], a, dt_q[i], dt_d[i], block)
+  return _reduce(partials, done)
 
 
 @numba.njit(parallel=True, **_common._JIT)
-def _gated_q8_0_kernel(g, h, up_q, up_d, dt_q, dt_d, cut, code, n_threads):
+def _gated_q8_0_kernel(g, h, up_q, up_d, dt_q, dt_d, cut, code, n_threads, block):
   """`_gated_q4_1_kernel` with Q8_0 up rows."""
   b, f = g.shape
   dim = h.shape[1]
+  ids, counts = _active_ids(g, cut, code)
   partials = np.zeros((n_threads, b, dim), np.float32)
-  counts = np.zeros((n_threads, b), np.int64)
+  done = np.zeros((n_threads, b), np.int64)
   for t in numba.prange(n_threads):
-    for i in range(t * f // n_threads, (t + 1) * f // n_threads):
-      for r in range(b):
-        gi = g[r, i]
-        if not _gate_passes(gi, cut, code):
-          continue
+    for r in range(b):
+      lo = t * counts[r] // n_threads
+      hi = (t + 1) * counts[r] // n_threads
+      for j in range(lo, hi):
+        if j + 1 < hi:
+          nxt = ids[r, j + 1]
+          _common.prefetch_head(up_q[nxt])
+          _common.prefetch_head(dt_q[nxt])
+        i = ids[r, j]
         u = qmatmul._dot_q8_0(up_q[i], up_d[i], h[r])
-        a = _common.activation(gi, u, code)
+        a = _common.activation(g[r, i], u, code)
         if a == 0:
           continue
-        counts[t, r] += 1
-        _add_row_q8_0(partials[t, r], a, dt_q[i], dt_d[i])
-  return _reduce(partials, counts)
+        done[t, r] += 1
+        _add_row_q8_0(partials[t, r], a, dt_q[i], dt_d[i], block)
+  return _reduce(partials, done)
 
 
 @numba.njit(**_common._JIT)
@@ -142,8 +167,10 @@ def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
     raise HostOpError(f"gated_ffn: cut must be a finite number >= 0, got {cut}")
   n_threads = _common.ensure_host_threads()
   if up.kind == qmatmul.Q4_1:
-    return _gated_q4_1_kernel(g, h, *up.arrays, *down_t.arrays, np.float32(cut), code, n_threads)
-  return _gated_q8_0_kernel(g, h, *up.arrays, *down_t.arrays, np.float32(cut), code, n_threads)
+    return _gated_q4_1_kernel(g, h, *up.arrays, *down_t.arrays, np.float32(cut), code, n_threads,
+                              np.int64(qmatmul.BLOCK))
+  return _gated_q8_0_kernel(g, h, *up.arrays, *down_t.arrays, np.float32(cut), code, n_threads,
+                            np.int64(qmatmul.BLOCK))
 
 
 def gated_ffn_reference(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
