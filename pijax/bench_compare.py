@@ -175,8 +175,9 @@ def machine_name() -> str:
 
 def header(info: dict[str, Any]) -> str:
   """The line above the table: model path and sizes, threads, machine, versions."""
+  mode = "dense" if info["pijax_mode"] == "off" else f"--sparse={info['pijax_mode']}"
   return (f"model: {info['gguf']} (file {info['file_size_bytes'] / 2 ** 30:.3f} GiB; pijax "
-          f"{info['pijax_mode']} {info['pijax_dtype']} weights {info['pijax_size_gib']:.3f} GiB in "
+          f"{mode}, {info['pijax_dtype']} weights {info['pijax_size_gib']:.3f} GiB in "
           f"memory), threads: {info['threads']}, machine: {info['machine']} "
           f"({info['cpu_count']} cores), pijax backend: {info['pijax_backend']}, "
           f"llama-cpp-python {info['llama_cpp_version']}")

@@ -143,6 +143,45 @@ def test_decoder_prefill_then_decode_matches_reference(kind, adjacent, family):
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_decoder_fused_layers_equal_per_layer_loop(kind):
+  """The one-call layer loop (`_layers_kernel`, used when every layer has the same formats)
+  gives the per-layer Python loop's logits bit for bit, for prefill (many-row kernels) and
+  decode (gemv), and the layers' matrices view the stacked arrays (nothing held twice)."""
+  rng = np.random.default_rng(5)
+  dec = _tiny_decoder(rng, kind, adjacent=True)
+  assert dec._stacked is not None
+  assert np.shares_memory(dec.layers[1].down.arrays[0], dec._stacked[-1][0])
+  assert np.shares_memory(dec.layers[0].attn_norm, dec._stacked[0])
+  tokens = rng.integers(0, 50, (2, 12))
+  runs = []
+  for stacked in (dec._stacked, None):
+    dec._stacked = stacked
+    cid = dec.new_cache(2, 16)
+    runs.append([dec.forward(cid, tokens[:, :10], 0),
+                 dec.forward(cid, tokens[:, 10:11], 10), dec.forward(cid, tokens[:, 11:], 11)])
+  for fused, loop in zip(*runs):
+    np.testing.assert_array_equal(fused, loop)
+
+
+def test_decoder_mixed_formats_run_the_per_layer_loop():
+  """Layers whose formats differ are not stacked; the decoder still matches the reference."""
+  rng = np.random.default_rng(6)
+  dec = _tiny_decoder(rng, "q4_1", adjacent=False)
+  layers = dec.layers
+  layers[1].up = _random_matrix(rng, "q8_0", *layers[1].up.shape)
+  dec = decoder_lib.HostDecoder(dec.embedding, layers, dec.final_norm, dec.lm_head, eps=dec.eps,
+                                family=dec.family, n_heads=dec.n_heads,
+                                n_kv_heads=dec.n_kv_heads, head_dim=dec.head_dim,
+                                rope_theta=dec.rope_theta, rope_dim=dec.rope_dim,
+                                rope_adjacent=False)
+  assert dec._stacked is None
+  tokens = rng.integers(0, 50, 9)
+  ref = decoder_lib.decoder_reference(dec, tokens)
+  got = dec.forward(dec.new_cache(1, 9), tokens[None], 0)
+  np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("family,cut", [("swiglu", 0.05), ("swiglu", 0.0), ("reglu", 0.0),
                                         ("drelu", 0.0), ("swiglu", 1e9)])
 def test_gated_ffn_matches_reference(kind, family, cut):
