@@ -106,13 +106,16 @@ def test_quantize_q8_0_and_stack_rows():
     a.matmul(np.zeros((2, 63), np.float32))
 
 
-def _tiny_decoder(rng, kind, *, adjacent, family="swiglu"):
-  d, f, n, k, hd, vocab, layers = 64, 96, 4, 2, 16, 50, 2
-  mat = lambda rows, cols: _random_matrix(rng, kind, rows, cols)  # noqa: E731
-  ls = [decoder_lib.HostLayer(
-      attn_norm=rng.uniform(0.5, 1.5, d).astype(np.float32), qkv=mat((n + 2 * k) * hd, d),
-      attn_out=mat(d, n * hd), ffn_norm=rng.uniform(0.5, 1.5, d).astype(np.float32),
-      gate=mat(f, d), up=mat(f, d), down=mat(d, f)) for _ in range(layers)]
+def _tiny_decoder(rng, kind, *, adjacent, family="swiglu", layer_kinds=None):
+  """2 layers in `kind` (or layer i's matrices in layer_kinds[i]); Q8_0 tied embedding."""
+  d, f, n, k, hd, vocab = 64, 96, 4, 2, 16, 50
+  ls = []
+  for layer_kind in layer_kinds or [kind, kind]:
+    mat = lambda rows, cols: _random_matrix(rng, layer_kind, rows, cols)  # noqa: E731
+    ls.append(decoder_lib.HostLayer(
+        attn_norm=rng.uniform(0.5, 1.5, d).astype(np.float32), qkv=mat((n + 2 * k) * hd, d),
+        attn_out=mat(d, n * hd), ffn_norm=rng.uniform(0.5, 1.5, d).astype(np.float32),
+        gate=mat(f, d), up=mat(f, d), down=mat(d, f)))
   emb = _random_matrix(rng, "q8_0", vocab, d)
   return decoder_lib.HostDecoder(emb, ls, rng.uniform(0.5, 1.5, d).astype(np.float32), emb,
                                  eps=1e-5, family=family, n_heads=n, n_kv_heads=k, head_dim=hd,
@@ -166,14 +169,7 @@ def test_decoder_fused_layers_equal_per_layer_loop(kind):
 def test_decoder_mixed_formats_run_the_per_layer_loop():
   """Layers whose formats differ are not stacked; the decoder still matches the reference."""
   rng = np.random.default_rng(6)
-  dec = _tiny_decoder(rng, "q4_1", adjacent=False)
-  layers = dec.layers
-  layers[1].up = _random_matrix(rng, "q8_0", *layers[1].up.shape)
-  dec = decoder_lib.HostDecoder(dec.embedding, layers, dec.final_norm, dec.lm_head, eps=dec.eps,
-                                family=dec.family, n_heads=dec.n_heads,
-                                n_kv_heads=dec.n_kv_heads, head_dim=dec.head_dim,
-                                rope_theta=dec.rope_theta, rope_dim=dec.rope_dim,
-                                rope_adjacent=False)
+  dec = _tiny_decoder(rng, "q4_1", adjacent=False, layer_kinds=["q4_1", "q8_0"])
   assert dec._stacked is None
   tokens = rng.integers(0, 50, 9)
   ref = decoder_lib.decoder_reference(dec, tokens)
