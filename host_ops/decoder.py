@@ -198,7 +198,8 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
   `HostDecoder.forward`'s per-layer loop, so the same result bit for bit, without ~8 Python
   calls per layer). x: f32[b t, D] embeddings -> f32[b t, D] after the last layer.
   Weights: stacked per role ([L, ...] arrays, `_layer_matmul`); norms f32[L, D]; cache_k,
-  cache_v: f32[L, b, S, K, H]."""
+  cache_v: f32[L, b, S, K, H]. (numba's disk cache keys this function on decoder.py only: after
+  editing a kernel it calls in another file, clear host_ops/__pycache__/*.nb[ic].)"""
   rows = x.shape[0]
   scale = np.float32(head_dim ** -0.5)
   qkv = np.empty((rows, (n_heads + 2 * n_kv) * head_dim), np.float32)
