@@ -11,10 +11,8 @@ a kernel (`ensure_host_threads()`, a cheap comparison when it already holds).
 Concurrency: the kernels may be called from several Python threads at once with numba's "omp" or
 "tbb" threading layer (the dev machines use omp); the "workqueue" layer is not thread-safe.
 The parallel split is static (one contiguous range per thread), so a core busy with another process
-stalls the whole call until that thread is scheduled again: on dev-2c with other CPU-bound jobs
-running, 2-thread calls took 16 ms (or 32, 48: whole scheduler slices) instead of 50-500 us. On a
-machine shared with other work, or where XLA's own threads are busy, use fewer host threads than
-cores (set_host_threads(1) on 2 cores).
+stalls the whole call until that thread is scheduled again (whole scheduler slices): on a machine
+shared with other work, or where XLA's own threads are busy, use fewer host threads than cores.
 """
 
 from __future__ import annotations
@@ -29,11 +27,9 @@ from numba.core import cgutils
 from numba.core import types
 from numba.extending import intrinsic
 
-from pijax import config as config_lib
-from pijax import errors
-
 # Family codes passed to the numba kernels (strings cannot select a branch cheaply inside them).
-FAMILY_CODES = {config_lib.FFN_SWIGLU: 0, config_lib.FFN_REGLU: 1, config_lib.FFN_DRELU: 2}
+# The names are the FFN family names the model code uses (plain strings: host_ops stands alone).
+FAMILY_CODES = {"swiglu": 0, "reglu": 1, "drelu": 2}
 FAMILIES = tuple(FAMILY_CODES)
 
 # silu(g) = g / (1 + exp(-g)). Below this g, exp(-g) would overflow f32 under fastmath (which
@@ -44,11 +40,8 @@ _JIT = dict(nogil=True, fastmath=True, cache=True)
 
 # Software prefetch of the next active neuron's rows: PREFETCH_AHEAD neurons ahead in a thread's
 # range (0 = off; read at each call), the first PREFETCH_BYTES of each row and Q8 scale row (fixed
-# at compile time). Measured on dev-2c, 2 threads, public API, rows cycled from DRAM, ahead 0 -> 1:
-# SmolLM2 shapes (D=576) Q8 at 90% / 50% sparsity 84 -> 57 us / 172 -> 150 us, f32 at 90%
-# 80 -> 71 us; LLaMA-2-7B shapes (D=4096, 4-16 KB rows the hardware streamer already follows) f32
-# unchanged, Q8 -4% at 90% and +3% at 50%. Whole-row prefetch made LLaMA shapes ~10% slower.
-# Prefetching never changes results.
+# at compile time). It helps short rows the hardware streamer does not follow (BUILD_NOTES.md,
+# "Lab notes moved from docstrings"); prefetching never changes results.
 PREFETCH_AHEAD = 1
 PREFETCH_BYTES = 1024
 _CACHE_LINE = 64
@@ -59,8 +52,8 @@ _PREFETCH_FN = "llvm.prefetch.p0" if llvmlite.binding.llvm_version_info[0] >= 15
 _host_threads = [None]  # The count set by set_host_threads; None: numba's default (all cores).
 
 
-class HostOpError(errors.PijaxError, ValueError):
-  """A host op got inputs of the wrong shape, dtype or range (or an unregistered layer handle)."""
+class HostOpError(ValueError):
+  """A host op got inputs of the wrong shape, dtype or range."""
 
 
 def family_code(family: str) -> int:
@@ -153,12 +146,12 @@ def activation(g, u, code):
 
 def activation_reference(g: np.ndarray, u: np.ndarray, family: str) -> np.ndarray:
   """act(g, u) in NumPy (any float dtype, elementwise); the references' activation."""
-  if family == config_lib.FFN_SWIGLU:
+  if family == "swiglu":
     with np.errstate(over="ignore"):
       return g / (1.0 + np.exp(-g)) * u
-  if family == config_lib.FFN_REGLU:
+  if family == "reglu":
     return np.maximum(g, 0) * u
-  if family == config_lib.FFN_DRELU:
+  if family == "drelu":
     return np.maximum(g, 0) * np.maximum(u, 0)
   family_code(family)  # Raises the HostOpError.
   raise AssertionError("unreachable")

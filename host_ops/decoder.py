@@ -1,35 +1,27 @@
-"""A whole decoder on the host, weights in quantized blocks, KV cache in host RAM (numba).
+"""A whole decoder on the host: weights in quantized blocks, KV caches in host RAM (numba).
 
 A CPU decode step reads every weight once per token, so its speed is the speed at which weights
-are read (issue 5; ../shared/DESIGN.md §4: XLA CPU reads 4/8-bit weights 20-45x slower than f32).
-Here the host keeps the weights in llama.cpp's block formats (`host_ops.qmatmul`); the jitted
-step (`pijax.host_quant`) calls it and samples.
+are read; here the weights stay in llama.cpp's block formats (`host_ops.qmatmul`, 4-8 bits per
+weight instead of f32).
 The whole forward pass (embedding, every layer with its RoPE, attention and KV cache, the LM
-head) runs in one host call, and only token ids and logits cross it. One call per pass, not per
-layer, because a `jax.pure_callback` costs ~90 us with no work and ~270 us per layer when it sits
-between the layers' XLA attention ops (dev-2c, measured for issue 5: 30 per-layer callbacks and
-XLA attention cost 10 ms per token, the host matmuls themselves 11.7 ms); and the KV cache lives
-on the host because passing it through a callback copies it (3.6 ms per token at 256 positions,
-18.8 ms at 2048).
-
+head) is one host call, so only token ids and logits cross a JAX callback: a callback per layer,
+or a KV cache copied through one, costs more than the matmuls (BUILD_NOTES.md, issue 5).
 Within the call, every layer runs inside one compiled function (`_layers_kernel`) when all layers
-share their weight formats (the usual case): a numba call from Python costs 7-11 us, and the
-per-layer loop made ~250 of them per token (measured on the AMD EPYC dev machine, SmolLM2 Q4_1,
-2 threads: 19.4 -> 16.6 ms per decode token, the same logits bit for bit).
+share their weight formats (the usual case), saving ~8 Python->numba calls per layer.
 
 Arithmetic: the f32 dense model's, on the same weight values: a Q4_1 GGUF kept as Q4_1 gives
 the logits of the f32 path up to summation order.
 
+State is explicit: `HostDecoder.new_cache` returns a `HostKVCache` that the caller owns and passes
+to every `forward`; one decoder serves any number of sequences, each with its own cache.
+
 Layout per STYLE.md: numba kernels (norm, activation, RoPE + attention; matmuls in
-`host_ops.qmatmul`) -> HostDecoder (validates, owns the KV cache) -> registry (handles for
-`jax.experimental.io_callback`) -> `decoder_reference` (float64 NumPy, whole model).
+`host_ops.qmatmul`) -> HostDecoder (validates) -> `decoder_reference` (float64 NumPy, whole model).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import threading
 
 import numba
 import numpy as np
@@ -59,6 +51,30 @@ class HostLayer:
 
   def matrices(self) -> tuple[qmatmul.QMatrix, ...]:
     return (self.qkv, self.attn_out, self.gate, self.up, self.down)
+
+
+@dataclasses.dataclass
+class HostKVCache:
+  """One sequence batch's keys and values on the host.
+
+  k, v: f32[L, batch, max_seq_len, n_kv_heads, head_dim]; keys are stored after RoPE.
+  """
+
+  k: np.ndarray
+  v: np.ndarray
+
+  @property
+  def batch(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def max_seq_len(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes held by keys and values."""
+    return self.k.nbytes + self.v.nbytes
 
 
 @numba.njit(**_common._JIT)
@@ -247,8 +263,6 @@ class HostDecoder:
     self.n_heads, self.n_kv_heads, self.head_dim = int(n_heads), int(n_kv_heads), int(head_dim)
     self.rope_theta, self.rope_dim = float(rope_theta), int(rope_dim)
     self.rope_scale, self.rope_adjacent = float(rope_scale), bool(rope_adjacent)
-    self._cache_k = self._cache_v = None
-    self._cache_id = 0
     self.gate_cuts = None  # Per-layer cuts when the gate-first sparse FFN is on (enable_gated).
     self._down_t = None  # Per-layer neuron-major Q8_0 down rows for it.
     self._record = None  # Calibration: per-layer lists of |act_gate(g)| (calibrate_gate_cuts).
@@ -332,27 +346,13 @@ class HostDecoder:
     return sum(w.nbytes for w in mats) + 4 * self.hidden_size * (2 * self.n_layers + 1)
 
   # ------------------------------------------------------------------------- KV cache
-  def new_cache(self, batch: int, max_seq_len: int) -> int:
-    """(Re)allocates the host KV cache for `batch` rows of `max_seq_len` tokens; returns its id.
-
-    The host holds one live cache per decoder (one sequence batch at a time): a newer cache
-    supersedes the older one, and running a superseded id raises instead of mixing states.
-    """
-    shape = (self.n_layers, batch, max_seq_len, self.n_kv_heads, self.head_dim)
-    if self._cache_k is None or self._cache_k.shape != shape:
-      self._cache_k = np.zeros(shape, np.float32)
-      self._cache_v = np.zeros(shape, np.float32)
-    self._cache_id = next(_CACHE_IDS)  # Process-wide: an id never comes back to life.
-    return self._cache_id
-
-  @property
-  def live_cache_id(self) -> int:
-    """The id of the live KV cache (0 before the first `new_cache`)."""
-    return self._cache_id
-
-  def kv_bytes(self) -> int:
-    """Bytes of the live host KV cache (0 before the first `new_cache`)."""
-    return 0 if self._cache_k is None else 2 * self._cache_k.nbytes
+  def new_cache(self, batch: int, max_seq_len: int) -> HostKVCache:
+    """A zeroed host KV cache for `batch` rows of `max_seq_len` tokens (the caller owns it)."""
+    if batch < 1 or max_seq_len < 1:
+      raise HostOpError(f"a KV cache needs batch >= 1 and max_seq_len >= 1, got {batch}, "
+                        f"{max_seq_len}")
+    shape = (self.n_layers, int(batch), int(max_seq_len), self.n_kv_heads, self.head_dim)
+    return HostKVCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
 
   # ------------------------------------------------------------------------- sparsity
   def enable_gated(self, cuts) -> None:
@@ -376,7 +376,7 @@ class HostDecoder:
   def calibrate_gate_cuts(self, chunks, sparsity: float) -> list[float]:
     """Per-layer cuts on |act_gate(gate . h)| that skip `sparsity` of the FFN neurons on the
     calibration tokens (the per-layer quantile; CATS §3). chunks: int[t] token arrays, each run
-    from position 0 with the dense FFN. Returns float[L]. Reallocates the KV cache.
+    from position 0 with the dense FFN in a cache of its own. Returns float[L].
     """
     if not 0.0 <= sparsity < 1.0:
       raise HostOpError(f"target sparsity must be in [0, 1), got {sparsity}")
@@ -415,11 +415,11 @@ class HostDecoder:
               * inv_freq.astype(np.float32))
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
-  def forward(self, cache_id: int, tokens, pos: int, rows=None) -> np.ndarray:
-    """Runs tokens through the decoder, reading and writing the live host KV cache.
+  def forward(self, cache: HostKVCache, tokens, pos: int, rows=None) -> np.ndarray:
+    """Runs tokens through the decoder, reading and writing `cache`.
 
     Args:
-      cache_id: from `new_cache`.
+      cache: from `new_cache` (positions [pos, pos + t) are written).
       tokens: int[b, t] ids at positions pos + [0, t).
       pos: position of tokens[:, 0]; pos + t <= the cache's max_seq_len.
       rows: None for logits at every position, or int[b * t] flat rows (r * t + i) to keep.
@@ -428,14 +428,15 @@ class HostDecoder:
       f32[b * t, V] logits (or f32[len(rows), V]).
 
     Raises:
-      HostOpError: a superseded cache, a batch/length that does not fit the cache, bad ids.
+      HostOpError: a cache of another shape, a batch/length that does not fit it, bad ids.
     """
     tokens = np.asarray(tokens)
     b, t = tokens.shape
-    if cache_id != self._cache_id or self._cache_k is None:
-      raise HostOpError("this KV cache is no longer live: a newer cache of the same model "
-                        "replaced it (host weights run one sequence batch at a time per model)")
-    _, cb, seq, _, _ = self._cache_k.shape
+    want = (self.n_layers, self.n_kv_heads, self.head_dim)
+    if not isinstance(cache, HostKVCache) or (cache.k.shape[0],) + cache.k.shape[3:] != want:
+      raise HostOpError(f"forward needs a HostKVCache of this decoder (new_cache), got "
+                        f"{type(cache).__name__}")
+    _, cb, seq, _, _ = cache.k.shape
     if b != cb or not 0 <= pos <= seq - t:
       raise HostOpError(f"tokens [{b}, {t}] at position {pos} do not fit the KV cache "
                         f"[{cb} rows, {seq} positions]")
@@ -444,7 +445,7 @@ class HostDecoder:
     x = self.embedding.rows_f32(tokens.reshape(-1))  # [b t, D]
     if self._stacked is not None and self.gate_cuts is None and self._record is None:
       _common.ensure_host_threads()
-      x = _layers_kernel(x, b, t, *self._stacked, self._cache_k, self._cache_v, pos, cos, sin,
+      x = _layers_kernel(x, b, t, *self._stacked, cache.k, cache.v, pos, cos, sin,
                          self.rope_adjacent, n, k, hd, self.eps, self.code)
       layers = ()
     else:
@@ -452,9 +453,8 @@ class HostDecoder:
     scale = np.float32(hd ** -0.5)
     for i, layer in enumerate(layers):
       qkv = layer.qkv.matmul(self._norm(x, layer.attn_norm))  # [b t, (N + 2K) H]
-      attn = _attention_kernel(qkv.reshape(b, t, n + 2 * k, hd), self._cache_k[i],
-                               self._cache_v[i], pos, cos, sin, self.rope_adjacent, n, k,
-                               scale)  # [b t, N H]
+      attn = _attention_kernel(qkv.reshape(b, t, n + 2 * k, hd), cache.k[i], cache.v[i], pos,
+                               cos, sin, self.rope_adjacent, n, k, scale)  # [b t, N H]
       x = x + layer.attn_out.matmul(attn)
       h = self._norm(x, layer.ffn_norm)
       g = layer.gate.matmul(h)
@@ -532,31 +532,3 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
                                             cut=dec.gate_cuts[i], family=dec.family)[0]
     seen.append(i if dec.gate_cuts is not None else 0)
   return mm(dec.lm_head, norm(x, dec.final_norm.astype(np.float64))).astype(np.float32)
-
-
-# ----------------------------------------------------------------------------- registry
-_CACHE_IDS = itertools.count(1)
-_registry: dict[int, HostDecoder] = {}
-_lock = threading.Lock()
-_next = [0]
-
-
-def register(dec: HostDecoder) -> int:
-  """Registers a decoder for jitted code; returns its handle (a Python int)."""
-  with _lock:
-    handle = _next[0]
-    _next[0] += 1
-    _registry[handle] = dec
-  return handle
-
-
-def get(handle: int) -> HostDecoder:
-  try:
-    return _registry[handle]
-  except KeyError:
-    raise HostOpError(f"no host decoder registered under handle {handle}") from None
-
-
-def unregister(handle: int) -> None:
-  with _lock:
-    _registry.pop(handle, None)

@@ -182,7 +182,7 @@ def gated_ffn_reference(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, c
   a = _common.activation_reference(g, u, family)
   if family == "swiglu":
     with np.errstate(over="ignore"):
-      keep = np.abs(g / (1.0 + np.exp(-g))) >= cut
+      keep = np.abs(_common.activation_reference(g, 1.0, family)) >= cut
   else:
     keep = g > 0
   a = np.where(keep, a, 0.0)

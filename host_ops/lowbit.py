@@ -4,7 +4,7 @@ The low-bit predictor (`pijax.predictor`, "Low-bit pre-activation predictor") es
 neuron's contribution |act(g) * u| from a 4-bit copy of its gate and up rows (blocks of 32
 values, one scale each; two codes per byte, code = q + 8, the even column in the low nibble).
 On a CPU-only run the XLA side cannot read 4-bit codes fast (XLA CPU does not fuse an integer
-convert into a dot, ../shared/DESIGN.md §4), so for the host's neurons this op does both steps
+convert into a dot), so for the host's neurons this op does both steps
 in one numba pass, reached by one `jax.pure_callback` per layer with only x crossing:
 
   pass 1, every host neuron i:  est_i = |act(g~_i, u~_i)| from the codes (0.56 bytes/weight)
@@ -34,7 +34,7 @@ def _dot_q4(codes_row, scales_row, xe, xo):
   x[1::2] (f32[D/2]).
 
   One flat loop with the block scale looked up per byte (j >> 4: 16 bytes per block): LLVM
-  vectorizes it (8.9 GB/s of codes on dev-2c); a loop nest over blocks ran at 2.1 GB/s.
+  vectorizes it; a loop nest over blocks is several times slower.
   """
   total = np.float32(0.0)
   for j in range(codes_row.shape[0]):
@@ -121,7 +121,7 @@ def lowbit_sparse_ffn_host(pred: LowbitPredictor, gate, up, down, x, family: str
   n_threads = _common.ensure_host_threads()
   xe, xo = np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2])
   # Pass 1: the predicted active ids; pass 2: the exact rows of those ids only, with the
-  # sparse op's prefetching (one fused loop with a branch per neuron ran 1.7x slower).
+  # sparse op's prefetching (one fused loop with a branch per neuron was slower).
   ids, counts = _lowbit_active_kernel(pred.gate_codes, pred.gate_scales, pred.up_codes,
                                       pred.up_scales, xe, xo, np.float32(pred.cut), code)
   y = sparse_ffn._sparse_ffn_f32_kernel(gate, up, down, x, ids, counts, False, code, n_threads,
@@ -139,15 +139,7 @@ def dequantize_q4_reference(codes, scales) -> np.ndarray:
   return q * np.repeat(np.asarray(scales, np.float64), BLOCK, axis=1)
 
 
-def activation_reference(g: np.ndarray, u: np.ndarray, family: str) -> np.ndarray:
-  """act(g, u) in float64: "swiglu" silu(g) u, "reglu" relu(g) u, "drelu" relu(g) relu(u)."""
-  if family == "swiglu":
-    return g / (1.0 + np.exp(-g)) * u
-  if family == "reglu":
-    return np.maximum(g, 0.0) * u
-  if family == "drelu":
-    return np.maximum(g, 0.0) * np.maximum(u, 0.0)
-  raise HostOpError(f"no reference for FFN family {family!r}")
+activation_reference = _common.activation_reference  # One NumPy definition for host_ops.
 
 
 def lowbit_sparse_ffn_host_reference(pred: LowbitPredictor, gate, up, down, x, family: str

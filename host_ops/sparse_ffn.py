@@ -1,7 +1,7 @@
 """The cold FFN neurons on the host: a sparse gated FFN over neuron-major f32 rows (numba).
 
 One layer's host weights are neuron-major, so one neuron is one contiguous row of each matrix
-("row-column bundling", ../shared/DESIGN.md §1 step 4; the down projection is stored transposed):
+(PowerInfer's row-column bundling, arXiv 2312.12456 §5; the down projection is stored transposed):
 
   gate_rows, up_rows, down_rows: f32[n, D]    (n host neurons, D = hidden size)
 
@@ -26,9 +26,8 @@ So a fixed thread count gives bitwise identical results on every run. Dots accum
 
 Layout, per STYLE.md: numba kernel (`_sparse_ffn_f32_kernel`) -> public function
 (`sparse_ffn_host`, validates) -> NumPy reference (`sparse_ffn_host_reference`, float64) -> the
-per-layer owner `HostFFNWeights` and a module-level registry (`register_layer` / `run_layer`) so a
-`jax.pure_callback` reaches the weights through an int handle while only activations and id vectors
-cross the callback (see `host_ops.callback`). Quantized rows: `host_ops.quant`.
+per-layer owner `HostFFNWeights`, which a JAX callback closes over so that only activations and id
+vectors cross it (`pijax.backends.bridge`). Quantized rows: `host_ops.quant`.
 """
 
 from __future__ import annotations
@@ -237,61 +236,3 @@ class HostFFNWeights:
   def __repr__(self) -> str:
     return (f"HostFFNWeights(n={self.n}, d={self.d}, family={self.family!r}, "
             f"weight_format={self.weight_format!r}, nbytes={self.nbytes})")
-
-
-# The registry: host callbacks get an int handle (a static of the jitted program) instead of the
-# weights, so no weight crosses a jax.pure_callback. Registered once at load, read per call.
-_REGISTRY: list[HostFFNWeights | None] = []
-_HANDLES: dict = {}  # layer_id -> handle
-
-
-def register_layer(layer_id, weights: HostFFNWeights | None = None) -> int:
-  """Registers one layer's host weights; returns its int handle for `run_layer`.
-
-  register_layer(layer_id, weights): layer_id is any hashable key (e.g. the layer index, or
-  (model_name, layer)); registering an id again replaces its weights and keeps its handle.
-  register_layer(weights): anonymous; every call gets a fresh handle.
-  """
-  if weights is None and isinstance(layer_id, HostFFNWeights):
-    layer_id, weights = None, layer_id
-  if not isinstance(weights, HostFFNWeights):
-    raise HostOpError(f"register_layer needs a HostFFNWeights, got {type(weights).__name__}")
-  handle = None if layer_id is None else _HANDLES.get(layer_id)
-  if handle is None:
-    handle = len(_REGISTRY)
-    _REGISTRY.append(weights)
-    if layer_id is not None:
-      _HANDLES[layer_id] = handle
-  else:
-    _REGISTRY[handle] = weights
-  return handle
-
-
-def get_layer(handle: int) -> HostFFNWeights:
-  """The HostFFNWeights registered under `handle`."""
-  try:
-    w = _REGISTRY[handle] if handle >= 0 else None
-  except (IndexError, TypeError):
-    w = None
-  if w is None:
-    raise HostOpError(f"no host FFN layer registered under handle {handle!r}: call "
-                      f"register_layer(layer_id, HostFFNWeights(...)) at load time")
-  return w
-
-
-def run_layer(handle: int, x, ids) -> np.ndarray:
-  """Runs layer `handle`: x: f32[b, D] (or [D]); ids: i32[b, k] or i32[k] -> f32[b, D]."""
-  return get_layer(handle)(x, ids)
-
-
-def unregister_layer(layer_id) -> None:
-  """Drops a layer's weights (its handle becomes invalid; handles are never reused)."""
-  handle = _HANDLES.pop(layer_id, None)
-  if handle is not None:
-    _REGISTRY[handle] = None
-
-
-def clear_registry() -> None:
-  """Drops every registered layer (e.g. between models in one process); handles are not reused."""
-  _REGISTRY[:] = [None] * len(_REGISTRY)
-  _HANDLES.clear()

@@ -12,7 +12,7 @@ import importlib
 _EXPORTS = {
     "load": "pijax.engine",
     "Model": "pijax.engine",
-    "GenerationResult": "pijax.engine",
+    "GenerationResult": "pijax.generation",
     "KVCache": "pijax.model",
     "init_cache": "pijax.model",
     "prefill": "pijax.model",

@@ -48,9 +48,9 @@ class BenchResult:
     return statistics.stdev(self.tokens_per_s) if len(self.tokens_per_s) > 1 else 0.0
 
 
-def _compiled(model, kind, fn, kv_len, args):
+def _compiled(model, kind, kv_len, args):
   before = model.compile_s
-  exe = model._compiled_fn(kind, fn, {"kv_len": kv_len}, args, (1,))
+  exe = model.compiled(kind, kv_len, args)
   return exe, model.compile_s - before
 
 
@@ -60,16 +60,18 @@ def bench_prefill(model, n_prompt: int, reps: int, seed: int = 0) -> BenchResult
     raise ConfigError(f"-p {n_prompt} must be in [1, max_seq_len={model.max_seq_len}].")
   rng = np.random.default_rng(seed)
   tokens = jnp.asarray(rng.integers(0, model.config.vocab_size, (1, n_prompt)), jnp.int32)
-  kv_len = model._kv_bucket(n_prompt)
+  kv_len = model.kv_bucket(n_prompt)
   sparams = sampling_lib.make_sampling_params()
   recent = jnp.full((1, 1), -1, jnp.int32)
   key = jax.random.PRNGKey(seed)
 
   def args():
-    return (model._run_params, model.new_cache(1), tokens, jnp.asarray(n_prompt, jnp.int32),
+    return (model.step_params, model.new_cache(1), tokens, jnp.asarray(n_prompt, jnp.int32),
             jnp.asarray(0, jnp.int32), key, sparams, recent)
 
-  exe, compile_s = _compiled(model, "prefill", engine_lib._prefill_sample, kv_len, args())
+  a = args()
+  exe, compile_s = _compiled(model, "prefill", kv_len, a)
+  model.release_cache(a[1])
   rates, active = [], []
   for rep in range(reps + 1):
     a = args()
@@ -77,6 +79,7 @@ def bench_prefill(model, n_prompt: int, reps: int, seed: int = 0) -> BenchResult
     t0 = time.perf_counter()
     out = exe(*a)
     jax.block_until_ready(out)
+    model.release_cache(out[1])
     if rep:  # Repetition 0 is the warm-up.
       rates.append(n_prompt / (time.perf_counter() - t0))
       active.append(float(np.mean(np.asarray(out[3]))))
@@ -87,23 +90,25 @@ def bench_decode(model, n_gen: int, reps: int, seed: int = 0) -> BenchResult:
   """tg<n_gen>: tokens/s of n_gen decode steps after a 1-token prompt, mean over reps."""
   if not 1 <= n_gen < model.max_seq_len:
     raise ConfigError(f"-n {n_gen} must be in [1, max_seq_len={model.max_seq_len}).")
-  kv_len = model._kv_bucket(n_gen + 1)
+  kv_len = model.kv_bucket(n_gen + 1)
   sparams = sampling_lib.make_sampling_params()
   recent = jnp.full((1, 1), -1, jnp.int32)
   first = jnp.asarray([model.tokenizer.bos_id or 0], jnp.int32)
-  args0 = (model._run_params, model.new_cache(1), first, jnp.asarray(0, jnp.int32),
+  args0 = (model.step_params, model.new_cache(1), first, jnp.asarray(0, jnp.int32),
            jax.random.PRNGKey(seed), sparams, recent)
-  exe, compile_s = _compiled(model, "decode", engine_lib._decode_sample, kv_len, args0)
+  exe, compile_s = _compiled(model, "decode", kv_len, args0)
+  model.release_cache(args0[1])
   rates, active = [], []
   for rep in range(reps + 1):
     cache, token, key = model.new_cache(1), first, jax.random.PRNGKey(seed)
     steps = []
     t0 = time.perf_counter()
     for pos in range(n_gen):
-      token, cache, key, act = exe(model._run_params, cache, token, jnp.asarray(pos, jnp.int32),
+      token, cache, key, act = exe(model.step_params, cache, token, jnp.asarray(pos, jnp.int32),
                                    key, sparams, recent)
       steps.append(act)
     jax.block_until_ready(token)
+    model.release_cache(cache)
     if rep:
       rates.append(n_gen / (time.perf_counter() - t0))
       active.append(float(np.mean(np.asarray(jnp.stack(steps)))))
@@ -111,48 +116,18 @@ def bench_decode(model, n_gen: int, reps: int, seed: int = 0) -> BenchResult:
 
 
 def weight_bytes_per_token(model, ffn_sparsity: float) -> tuple[int, int]:
-  """(bytes read per decoded token, dense bytes per token) of weights, compute dtype.
-
-  Dense: every weight once (the tied head reads the embedding matrix). Sparse: everything but
-  the FFN, plus predictors (f32 MLP or 4-bit low-bit), plus all hot rows (the CPU path reads
-  every hot row; the GPU kernel only active ones) and the active share of the cold rows.
-  """
-  cfg = model.config
-  dec = model.host_decoder
-  if dec is not None:  # Quantized host weights: the blocks' bytes (gate-first: active share).
-    active = None if dec.gate_cuts is None else 1.0 - ffn_sparsity
-    return dec.bytes_per_token(active), dec.bytes_per_token()
-  item = model.dtype.itemsize
-  total = cfg.n_params() * item
-  ffn = 3 * cfg.hidden_size * cfg.intermediate_size * cfg.n_layers * item
-  if model.sparse_spec is None:
-    return total, total
-  spec = model.sparse_spec
-  neuron = 3 * cfg.hidden_size * item
-  hot = sum(spec.hot_counts) * neuron
-  cold = sum(cfg.intermediate_size - n for n in spec.hot_counts) * neuron
-  pred = 0
-  if spec.mode == "predictor" and spec.predictor_kind == "lowbit":
-    from pijax import predictor as predictor_lib
-    pred = predictor_lib.lowbit_bytes(cfg.hidden_size, cfg.intermediate_size) * cfg.n_layers
-  elif spec.mode == "predictor":
-    pred = sum(4 * r * (cfg.hidden_size + cfg.intermediate_size) for r in spec.ranks)
-  elif spec.mode == "oracle":
-    pred = 2 * cfg.hidden_size * cfg.intermediate_size * cfg.n_layers * item
-  # Cold rows read: the active share (approximating the cold share by the overall one).
-  return int(total - ffn + hot + (1.0 - ffn_sparsity) * cold + pred), total
+  """(bytes read per decoded token, dense bytes per token) of weights (the backend's count)."""
+  return model.backend.weight_bytes_per_token(ffn_sparsity)
 
 
 def weights_label(model) -> str:
-  """How the weights are held: the dtype ("float32", XLA), or e.g. "q4_1+q8_0 host" (`--host_weights`)."""
+  """How the weights are held: the dtype ("float32", XLA), or e.g. "q4_1+q8_0 host"."""
   return model.weights_label
 
 
 def weights_size_bytes(model) -> int:
   """Bytes of weights held for inference (the host blocks with host weights)."""
-  if model.host_decoder is not None:
-    return model.host_decoder.nbytes()
-  return model.config.n_params() * model.dtype.itemsize
+  return model.backend.weight_bytes()
 
 
 def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int) -> list[dict[str, Any]]:
@@ -223,6 +198,8 @@ def check_flags(f) -> None:
   if f.n_prompt < 0 or f.n_gen < 0 or not (f.n_prompt or f.n_gen):
     raise ConfigError(f"-p {f.n_prompt} / -n {f.n_gen}: both must be >= 0 (0 skips a test), "
                       "one > 0.")
+  from pijax import sparse_flags
+  sparse_flags.check()  # --hot_ratio etc.: refused before the load, even for a plain GGUF.
 
 
 def load_for_bench(f):

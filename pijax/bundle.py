@@ -170,9 +170,9 @@ class SparseBundle:
   hot_counts: list[int]
 
 
-def load_bundle(path: str, *, dtype: str = "float32", max_seq_len: int | None = 2048,
-                source: str | None = None):
-  """Loads a bundle as an engine Model (dense params use the permuted FFN) with `.sparse` set.
+def open_bundle(path: str, *, source: str | None = None
+                ) -> tuple[SparseBundle, str, str | None]:
+  """Reads a bundle and checks its source GGUF: (bundle, source GGUF path, ffn_activation).
 
   Args:
     path: bundle folder (holding manifest.json).
@@ -180,13 +180,8 @@ def load_bundle(path: str, *, dtype: str = "float32", max_seq_len: int | None = 
 
   Raises:
     BundleError: wrong version, missing source, or a source whose sha256 does not match.
-    GGUFError: the source GGUF cannot be read.
   """
-  import time
-
-  from pijax import engine
   from pijax.profile import file_sha256
-  start = time.perf_counter()
   manifest = read_manifest(path)
   src = source or manifest["source"]["path"]
   if not os.path.exists(src):
@@ -197,17 +192,12 @@ def load_bundle(path: str, *, dtype: str = "float32", max_seq_len: int | None = 
     raise BundleError(f"{path}: converted from a GGUF with sha256 "
                       f"{manifest['source']['sha256'][:16]}..., but {src} has sha256 "
                       f"{digest[:16]}...; pass the original file with --source or re-convert.")
-  model = engine.load(src, dtype=dtype, max_seq_len=max_seq_len,
-                      ffn_activation=manifest["model"].get("ffn_activation"))
   tree = read_checkpoint(path)
-  model.params = with_ffn(model.params, tree["ffn"], model.dtype)
-  model._compiled.clear()
-  model.sparse = SparseBundle(
+  n_layers = len(manifest["layers"])
+  bundle = SparseBundle(
       path=os.path.abspath(path), manifest=manifest, ffn=tree["ffn"],
       predictors=tree["predictors"], cuts=tree["cuts"], thresholds=tree["thresholds"],
-      rms_bounds=tree.get("rms_bounds", np.full(model.config.n_layers, np.inf, np.float32)),
+      rms_bounds=tree.get("rms_bounds", np.full(n_layers, np.inf, np.float32)),
       frequencies=tree["frequencies"], perm=tree["perm"],
       hot_counts=[int(layer["hot_count"]) for layer in manifest["layers"]])
-  model.path = os.path.abspath(path)
-  model.load_s = time.perf_counter() - start
-  return model
+  return bundle, src, manifest["model"].get("ffn_activation")

@@ -31,3 +31,7 @@ class BudgetError(PijaxError):
 
 class BundleError(PijaxError):
   """A converted bundle is missing, of another version, or does not match its source GGUF."""
+
+
+class UnsupportedError(ConfigError):
+  """A backend was asked for a model family, switch or mode it does not implement."""

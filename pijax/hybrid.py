@@ -1,14 +1,14 @@
 """Hybrid sparse FFN: hot neurons on the device, cold neurons on the host, one jitted step.
 
-Per layer and token (PowerInfer, arXiv 2312.12456 §4-5; ../shared/DESIGN.md §1 "Online"):
+Per layer and token (PowerInfer, arXiv 2312.12456 §4-5):
   1. the active set: the predictor's (logit >= cut, mode "predictor") or the true one computed
      densely from the layer's activity threshold (mode "oracle", for correctness checks);
   2. neurons are stored sorted by activation frequency, so the first `hot_count` are hot:
      the device computes y_dev = sum over active hot i of act(gate_i.h, up_i.h) * down_i
      (Pallas gather kernel on GPU for decode, the plain-jnp path on CPU);
   3. the host computes the same over the active cold neurons, reading only their rows, in a
-     numba kernel reached by one `jax.pure_callback` per layer (only h and the index vector
-     cross it; host weights are registered once at load);
+     numba kernel reached by one `jax.pure_callback` per layer (`pijax.backends.bridge`: only h
+     and the index vector cross it; the callback closes over the layer's host rows);
   4. y = y_dev + y_host.
 Each token uses its own active set (prefill rows too), so every path computes the same
 function: a dense FFN with the inactive neurons zeroed.
@@ -27,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pijax import model as model_lib
+from pijax.backends import bridge
 from pijax import predictor as predictor_lib
 from pijax import sparsity
-from pijax.config import ModelConfig
+from pijax.arch.spec import ModelConfig
 from pijax.errors import ConfigError
 
 MODE_OFF = "off"
@@ -45,7 +46,8 @@ class SparseSpec:
   Attributes:
     mode: MODE_ORACLE or MODE_PREDICTOR.
     hot_counts: device-resident neurons per layer (the first hot_counts[l] stored neurons).
-    host_handles: per layer, the host-op registry handle of the cold rows (-1: no cold rows).
+    host_layers: per layer, the cold rows (`host_ops.sparse_ffn.HostFFNWeights`; None: no cold
+      rows). Objects hash by identity, so a spec is still a valid static argument.
     ranks: per-layer predictor rank (mode predictor, MLP predictors).
     use_pallas: compute the hot part of decode with the Pallas kernel (GPU only).
     predictor_kind: "mlp" (fc2(relu(fc1(x)))) or "lowbit" (4-bit gate/up estimate), see
@@ -66,90 +68,18 @@ class SparseSpec:
 
   mode: str
   hot_counts: tuple[int, ...]
-  host_handles: tuple[int, ...]
+  host_layers: tuple[Any, ...]
   ranks: tuple[int, ...] = ()
   use_pallas: bool = False
   predictor_kind: str = "mlp"
   prefill_dense_tokens: int = 0
   overlap: bool = False
   host_predict: bool = False
+  overlap_worker: Any = None  # pijax.backends.bridge.Overlap when overlap is on.
 
-
-def _host_cold_ffn(handle: int, h: np.ndarray, ids: np.ndarray) -> np.ndarray:
-  """pure_callback target: the cold partial output for rows h: f32[N, D], ids: i32[N, C]."""
-  from host_ops import sparse_ffn as host_ffn
-  return np.asarray(host_ffn.run_layer(handle, np.asarray(h, np.float32),
-                                       np.asarray(ids, np.int32)), np.float32)
-
-
-def cold_partial(handle: int, h: jax.Array, cold_mask: jax.Array | None,
-                 n_cold: int = 0) -> jax.Array:
-  """Host partial FFN output via one pure_callback.
-
-  h: f32[N, D] normed FFN input; cold_mask: bool[N, C] active cold neurons (local ids), or None
-  for every one of the n_cold neurons (one shared id list: the host op reads each row once
-  for all N rows). Returns f32[N, D]. Indices are passed uncompacted (-1 where inactive): the
-  host op skips them, and no sort or compaction runs on the device.
-  """
-  n, d = h.shape
-  ids = _cold_ids(cold_mask, n_cold)
-  return jax.pure_callback(functools.partial(_host_cold_ffn, handle),
-                           jax.ShapeDtypeStruct((n, d), jnp.float32),
-                           h.astype(jnp.float32), ids, vmap_method="sequential")
-
-
-_WORKER = None  # concurrent.futures.ThreadPoolExecutor(1), created on first overlapped call.
-_PENDING: dict[int, Any] = {}  # handle -> Future of the host partial in flight.
-
-
-def _host_cold_start(handle: int, h: np.ndarray, ids: np.ndarray) -> np.ndarray:
-  """First callback of the overlapped variant: start the host partial, return at once."""
-  global _WORKER
-  from concurrent import futures
-  from host_ops import sparse_ffn as host_ffn
-  if _WORKER is None:
-    _WORKER = futures.ThreadPoolExecutor(1, thread_name_prefix="pijax-host-ffn")
-  # Copies: the callback's operand buffers are not ours after we return.
-  h, ids = np.array(h, np.float32), np.array(ids, np.int32)
-  _PENDING[handle] = _WORKER.submit(host_ffn.run_layer, handle, h, ids)
-  return np.zeros((), np.int32)
-
-
-def _host_cold_finish(handle: int, ticket: np.ndarray, after: np.ndarray) -> np.ndarray:
-  """Second callback: wait for the host partial started by `_host_cold_start`."""
-  del ticket, after  # Data dependencies only: order this call after the start and the hot part.
-  return np.asarray(_PENDING.pop(handle).result(), np.float32)
-
-
-def cold_partial_start(handle: int, h: jax.Array, ids: jax.Array) -> jax.Array:
-  """Overlapped variant, part 1: i32[] ticket; the host partial runs in a worker thread."""
-  return jax.pure_callback(functools.partial(_host_cold_start, handle),
-                           jax.ShapeDtypeStruct((), jnp.int32), h.astype(jnp.float32), ids,
-                           vmap_method="sequential")
-
-
-def cold_partial_finish(handle: int, ticket: jax.Array, after: jax.Array, n: int,
-                        d: int) -> jax.Array:
-  """Overlapped variant, part 2: f32[n, d] host partial, ordered after `after` (hot result)."""
-  return jax.pure_callback(functools.partial(_host_cold_finish, handle),
-                           jax.ShapeDtypeStruct((n, d), jnp.float32), ticket, after,
-                           vmap_method="sequential")
-
-
-def _host_cold_predicted(handle: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """pure_callback target: (host partial f32[N, D], active host neurons i32[N])."""
-  from host_ops import sparse_ffn as host_ffn
-  y, active = host_ffn.get_layer(handle).run_predicted(np.asarray(h, np.float32))
-  return np.asarray(y, np.float32), np.asarray(active, np.int32)
-
-
-def cold_partial_predicted(handle: int, h: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Host predicts and computes its neurons: h f32[N, D] -> (f32[N, D], active i32[N])."""
-  n, d = h.shape
-  return jax.pure_callback(functools.partial(_host_cold_predicted, handle),
-                           (jax.ShapeDtypeStruct((n, d), jnp.float32),
-                            jax.ShapeDtypeStruct((n,), jnp.int32)),
-                           h.astype(jnp.float32), vmap_method="sequential")
+  def make_ffn(self, config: ModelConfig, layer: int, name: str) -> nn.Module:
+    """The FFN module of `layer` (what `pijax.model.Block` runs when given a spec)."""
+    return HybridFFN(config, self, layer, name=name)
 
 
 def _cold_ids(cold_mask: jax.Array | None, n_cold: int) -> jax.Array:
@@ -224,8 +154,8 @@ class HybridFFN(nn.Module):
 
     ticket = None
     if host_predicts:
-      y_host, n_cold_active = cold_partial_predicted(spec.host_handles[self.layer],
-                                                     h.reshape(b * t, d))
+      y_host, n_cold_active = bridge.cold_partial_predicted(spec.host_layers[self.layer],
+                                                            h.reshape(b * t, d))
       hot_active = jnp.sum(mask[..., :n_hot], axis=-1).reshape(b * t) if n_hot else 0
       self.sow("intermediates", "active_fraction",
                jnp.mean((hot_active + n_cold_active).astype(jnp.float32)) / f)
@@ -233,7 +163,8 @@ class HybridFFN(nn.Module):
     elif n_hot < f and spec.overlap:  # Start the host part before the device's hot part.
       cold_ids = _cold_ids(None if dense else mask[..., n_hot:].reshape(b * t, f - n_hot),
                            f - n_hot)
-      ticket = cold_partial_start(spec.host_handles[self.layer], h.reshape(b * t, d), cold_ids)
+      ticket = spec.overlap_worker.start(self.layer, spec.host_layers[self.layer],
+                                         h.reshape(b * t, d), cold_ids)
       h_dev, ticket = jax.lax.optimization_barrier((h, ticket))  # Hot part after the start.
     else:
       h_dev = h
@@ -262,11 +193,12 @@ class HybridFFN(nn.Module):
       y = y + y_host.reshape(b, t, d)
     elif n_hot < f:
       if ticket is not None:
-        y_host = cold_partial_finish(spec.host_handles[self.layer], ticket, y, b * t, d)
+        y_host = spec.overlap_worker.finish(self.layer, ticket, y, b * t, d)
       else:
-        y_host = cold_partial(spec.host_handles[self.layer], h.reshape(b * t, d),
-                              None if dense else mask[..., n_hot:].reshape(b * t, f - n_hot),
-                              f - n_hot)
+        cold_ids = _cold_ids(None if dense else mask[..., n_hot:].reshape(b * t, f - n_hot),
+                             f - n_hot)
+        y_host = bridge.cold_partial(spec.host_layers[self.layer], h.reshape(b * t, d),
+                                     cold_ids)
       y = y + y_host.reshape(b, t, d)
     return y.astype(h.dtype)
 
@@ -349,7 +281,7 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
 
   Returns:
     (spec, params): params is the model's param tree with each layer's "ffn" replaced by the
-    HybridFFN params. The cold rows are registered with host_ops (handles in spec).
+    HybridFFN params. The spec holds each layer's cold rows (HostFFNWeights).
 
   Raises:
     ConfigError: not a bundle, bad mode or hot counts.
@@ -388,7 +320,7 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
     use_pallas = jax.default_backend() == "gpu"
   dtype = model.dtype
   params = dict(model.params)
-  handles = []
+  host_layers = []
   for i in range(cfg.n_layers):
     rows = model.sparse.ffn[f"layers_{i}"]
     n_hot = int(hot[i])
@@ -427,18 +359,19 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
             lowbit["gate_codes"][n_hot:], lowbit["gate_scales"][n_hot:].astype(np.float32),
             lowbit["up_codes"][n_hot:], lowbit["up_scales"][n_hot:].astype(np.float32),
             float(model.sparse.thresholds[i] * threshold_scale))
-      handles.append(host_ffn.register_layer((id(model.sparse), i), weights))
+      host_layers.append(weights)
     else:
-      handles.append(-1)
+      host_layers.append(None)
     layer = dict(params[f"layers_{i}"])
     layer["ffn"] = ffn
     params[f"layers_{i}"] = layer
   ranks = tuple(int(model.sparse.predictors[f"layers_{i}"]["fc1"].shape[1])
                 for i in range(cfg.n_layers))
   spec = SparseSpec(mode=mode, hot_counts=tuple(int(n) for n in hot),
-                    host_handles=tuple(handles), ranks=ranks, use_pallas=bool(use_pallas),
+                    host_layers=tuple(host_layers), ranks=ranks, use_pallas=bool(use_pallas),
                     predictor_kind=predictor_kind, prefill_dense_tokens=int(prefill_dense_tokens),
-                    overlap=bool(overlap), host_predict=host_predict)
+                    overlap=bool(overlap), host_predict=host_predict,
+                    overlap_worker=bridge.Overlap() if overlap else None)
   return spec, params
 
 

@@ -1,4 +1,4 @@
-"""GGUF -> (ModelConfig, params): metadata parsing and layer-by-layer dequantization.
+"""GGUF -> (ModelConfig, params): the family's config and tensor map, layer-by-layer dequantization.
 
 Tensors are dequantized with `gguf.quants.dequantize` straight from the memory map, one
 tensor (the embedding: one block of rows) at a time, and handed to JAX at once, so peak RSS
@@ -18,12 +18,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from pijax import config as config_lib
+from pijax.arch import registry
+from pijax.arch.spec import ModelConfig
 from pijax.errors import GGUFError
 from pijax.gguf_io import open_gguf
 
-SUPPORTED_ARCHS = ("llama",)
-_ACTIVATION_KEY = "pijax.ffn_activation"
 _DTYPES = {"float32": np.float32, "f32": np.float32, "bfloat16": ml_dtypes.bfloat16,
            "bf16": ml_dtypes.bfloat16, "float16": np.float16, "f16": np.float16}
 
@@ -37,93 +36,6 @@ def numpy_dtype(name: str) -> np.dtype:
     raise ConfigError(f"unknown dtype {name!r}; use one of {sorted(set(_DTYPES))}.") from None
 
 
-def config_from_metadata(metadata: dict[str, Any], path: str, tensor_names: set[str],
-                         ffn_activation: str | None = None) -> config_lib.ModelConfig:
-  """Builds a ModelConfig from GGUF metadata.
-
-  Args:
-    metadata: GGUF key/values (see `pijax.gguf_io.open_gguf`).
-    path: the file, for error messages.
-    tensor_names: names of the tensors in the file (to detect a tied output head).
-    ffn_activation: "silu" | "relu" | "drelu", used only when the file does not say.
-
-  Raises:
-    GGUFError: unsupported architecture or missing/inconsistent hyper-parameters.
-  """
-  arch = metadata.get("general.architecture")
-  if arch not in SUPPORTED_ARCHS:
-    raise GGUFError(f"{path}: architecture {arch!r} is not supported; pijax runs "
-                    f"{', '.join(SUPPORTED_ARCHS)} (SwiGLU, ReGLU, dReLU FFNs).")
-
-  def need(key: str) -> Any:
-    full = f"{arch}.{key}"
-    if full not in metadata:
-      raise GGUFError(f"{path}: metadata key {full!r} is missing; the file is incomplete, "
-                      "re-convert it.")
-    return metadata[full]
-
-  def positive_int(key: str, default: Any = None) -> int:
-    value = need(key) if default is None else metadata.get(f"{arch}.{key}", default)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-      raise GGUFError(f"{path}: metadata {arch}.{key}={value!r} must be a positive integer; "
-                      "the file is corrupt, re-convert it.")
-    return int(value)
-
-  def positive_float(key: str, default: float) -> float:
-    value = metadata.get(f"{arch}.{key}", default)
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or \
-        not np.isfinite(value) or value <= 0:
-      raise GGUFError(f"{path}: metadata {arch}.{key}={value!r} must be a positive number; "
-                      "the file is corrupt, re-convert it.")
-    return float(value)
-
-  hidden = positive_int("embedding_length")
-  n_heads = positive_int("attention.head_count")
-  n_kv_heads = positive_int("attention.head_count_kv", n_heads)
-  head_dim = positive_int("attention.key_length", max(hidden // n_heads, 1))
-  if n_heads % n_kv_heads:
-    raise GGUFError(f"{path}: head_count {n_heads} is not a multiple of head_count_kv "
-                    f"{n_kv_heads}.")
-  n_tokens = len(metadata.get("tokenizer.ggml.tokens", []))
-  vocab = positive_int("vocab_size", n_tokens) if (f"{arch}.vocab_size" in metadata or
-                                                   n_tokens) else positive_int("vocab_size")
-  if n_tokens and vocab != n_tokens:
-    raise GGUFError(f"{path}: {arch}.vocab_size={vocab} but the tokenizer has {n_tokens} "
-                    "tokens; the file is inconsistent, re-convert it.")
-  activation = metadata.get(_ACTIVATION_KEY) or ffn_activation or "silu"
-  if activation not in config_lib.ACTIVATION_TO_FAMILY:
-    raise GGUFError(f"{path}: FFN activation {activation!r} is not supported; use one of "
-                    f"{sorted(config_lib.ACTIVATION_TO_FAMILY)}.")
-  scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
-  rope_scale = 1.0
-  if scaling_type == "linear":
-    rope_scale = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))
-  elif scaling_type not in ("none", None):
-    raise GGUFError(f"{path}: RoPE scaling {scaling_type!r} is not supported (only linear).")
-  rope_dim = positive_int("rope.dimension_count", head_dim)
-  if rope_dim > head_dim or rope_dim % 2:
-    raise GGUFError(f"{path}: rope.dimension_count={rope_dim} must be even and <= head_dim "
-                    f"{head_dim}.")
-  return config_lib.ModelConfig(
-      arch=arch,
-      vocab_size=int(vocab),
-      hidden_size=hidden,
-      intermediate_size=positive_int("feed_forward_length"),
-      n_layers=positive_int("block_count"),
-      n_heads=n_heads,
-      n_kv_heads=n_kv_heads,
-      head_dim=head_dim,
-      rope_theta=positive_float("rope.freq_base", 10000.0),
-      rope_style=config_lib.ROPE_ADJACENT,
-      rope_dim=rope_dim,
-      rms_norm_eps=positive_float("attention.layer_norm_rms_epsilon", 1e-5),
-      context_length=positive_int("context_length", 2048),
-      ffn_family=config_lib.ACTIVATION_TO_FAMILY[activation],
-      tied_output="output.weight" not in tensor_names,
-      rope_scale=rope_scale,
-  )
-
-
 @functools.partial(jax.jit, donate_argnums=0)
 def _set_rows(matrix: jax.Array, rows: jax.Array, start: int) -> jax.Array:
   """matrix[start:start + len(rows)] = rows, in place (the matrix is donated)."""
@@ -133,7 +45,7 @@ def _set_rows(matrix: jax.Array, rows: jax.Array, start: int) -> jax.Array:
 _CHUNK_VALUES = 1 << 22  # Dequantize at most this many values at a time (bounded temporaries).
 
 
-def _dequantize(tensor: Any, path: str, dtype: np.dtype = np.dtype(np.float32),
+def dequantize(tensor: Any, path: str, dtype: np.dtype = np.dtype(np.float32),
                 rows: tuple[int, int] | None = None) -> np.ndarray:
   """One GGUF tensor as a numpy array of `dtype`, shape in numpy order ([out, in] for matrices).
 
@@ -173,7 +85,7 @@ def _dequantize(tensor: Any, path: str, dtype: np.dtype = np.dtype(np.float32),
 
 def load_gguf(path: str | os.PathLike[str], *, dtype: str = "float32",
               ffn_activation: str | None = None,
-              ) -> tuple[config_lib.ModelConfig, dict[str, Any], dict[str, Any]]:
+              ) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
   """Loads a llama-family GGUF as (config, params, metadata).
 
   Args:
@@ -197,7 +109,8 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str = "float32",
   path = os.fspath(path)
   reader, metadata = open_gguf(path)
   tensors = {t.name: t for t in reader.tensors}
-  cfg = config_from_metadata(metadata, path, set(tensors), ffn_activation)
+  cfg = registry.config_from_metadata(metadata, path, set(tensors), ffn_activation)
+  names = registry.get_family(cfg.arch, path).tensors
   np_dtype = numpy_dtype(dtype)
   d, n, k, h, f = (cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                    cfg.intermediate_size)
@@ -206,7 +119,7 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str = "float32",
           ) -> np.ndarray:
     if name not in tensors:
       raise GGUFError(f"{path}: tensor {name!r} is missing; the file is incomplete.")
-    arr = _dequantize(tensors[name], path, dtype)
+    arr = dequantize(tensors[name], path, dtype)
     if arr.shape != shape:
       raise GGUFError(f"{path}: tensor {name!r} has shape {arr.shape}, expected {shape}.")
     return arr
@@ -223,38 +136,35 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str = "float32",
     block = 4096
     for start in range(0, shape[0], block):
       stop = min(start + block, shape[0])
-      out = _set_rows(out, _dequantize(tensor, path, np_dtype, rows=(start, stop)), start)
+      out = _set_rows(out, dequantize(tensor, path, np_dtype, rows=(start, stop)), start)
     return out
 
   # GGUF stores matrices as [out, in]; our kernels are [in, out] (split into heads).
   params: dict[str, Any] = {
-      "embed": {"embedding": matrix_on_device("token_embd.weight", (cfg.vocab_size, d))},
+      "embed": {"embedding": matrix_on_device(names.name("embedding"), (cfg.vocab_size, d))},
   }
   for i in range(cfg.n_layers):
     def w(name: str, shape: tuple[int, ...], layout=lambda a: a) -> jax.Array:
-      return jnp.asarray(np.ascontiguousarray(layout(get(f"blk.{i}.{name}", shape)), np_dtype))
+      return jnp.asarray(np.ascontiguousarray(layout(get(names.name(name, i), shape)), np_dtype))
     params[f"layers_{i}"] = {
-        "attn_norm": {"scale": w("attn_norm.weight", (d,))},
+        "attn_norm": {"scale": w("attn_norm", (d,))},
         "attn": {
             "qkv_proj": {"kernel": jnp.asarray(np.concatenate(
-                [get(f"blk.{i}.attn_q.weight", (n * h, d)).T,
-                 get(f"blk.{i}.attn_k.weight", (k * h, d)).T,
-                 get(f"blk.{i}.attn_v.weight", (k * h, d)).T], axis=1).astype(np_dtype))},
-            "o_proj": {"kernel": w("attn_output.weight", (d, n * h), lambda a: a.T)},
+                [get(names.name("q", i), (n * h, d)).T,
+                 get(names.name("k", i), (k * h, d)).T,
+                 get(names.name("v", i), (k * h, d)).T], axis=1).astype(np_dtype))},
+            "o_proj": {"kernel": w("o", (d, n * h), lambda a: a.T)},
         },
-        "ffn_norm": {"scale": w("ffn_norm.weight", (d,))},
+        "ffn_norm": {"scale": w("ffn_norm", (d,))},
         "ffn": {
-            "gate": {"kernel": w("ffn_gate.weight", (f, d), lambda a: a.T)},
-            "up": {"kernel": w("ffn_up.weight", (f, d), lambda a: a.T)},
-            "down": {"kernel": w("ffn_down.weight", (d, f), lambda a: a.T)},
+            "gate": {"kernel": w("gate", (f, d), lambda a: a.T)},
+            "up": {"kernel": w("up", (f, d), lambda a: a.T)},
+            "down": {"kernel": w("down", (d, f), lambda a: a.T)},
         },
     }
-  params["final_norm"] = {"scale": jnp.asarray(get("output_norm.weight", (d,)).astype(np_dtype))}
+  params["final_norm"] = {"scale": jnp.asarray(get(names.name("final_norm"), (d,)).astype(np_dtype))}
   if not cfg.tied_output:
     params["lm_head"] = {"kernel": jnp.asarray(
-        get("output.weight", (cfg.vocab_size, d), np_dtype).T)}
-  if "rope_freqs.weight" in tensors:
-    raise GGUFError(f"{path}: per-frequency RoPE factors (rope_freqs.weight, LLaMA-3.1 style) "
-                    "are not supported yet.")
+        get(names.name("lm_head"), (cfg.vocab_size, d), np_dtype).T)}
   logging.debug("loaded %s: %s, %d params", path, cfg, cfg.n_params())
   return cfg, params, metadata

@@ -6,9 +6,8 @@ H head_dim, F intermediate_size (FFN neurons), V vocab_size, L layers.
 
 The KV cache is an explicit pytree (`KVCache`) passed in and returned, one array per layer,
 updated in place (`dynamic_update_slice`) when the caller donates it. Layers are unrolled
-with separate per-layer params: on XLA CPU a scan over stacked weights slices a copy of each
-layer's weights per step and ran the decode matvecs at ~13 GB/s instead of ~34 GB/s
-(BUILD_NOTES.md, "Layer loop").
+with separate per-layer params: on XLA CPU a scan over stacked weights copies each layer's
+weights per step (BUILD_NOTES.md, "Layer loop").
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pijax import config as config_lib
-from pijax.config import ModelConfig
+from pijax.arch.spec import ModelConfig
 
 
 @flax.struct.dataclass
@@ -108,7 +107,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, style: str) -> jax.
 
 
 def ffn_activation(gate: jax.Array, up: jax.Array, family: str) -> jax.Array:
-  """Per-neuron FFN activation a = act(gate x) * (up x) by family (../shared/DESIGN.md §1)."""
+  """Per-neuron FFN activation a = act(gate x) * (up x) by family: SwiGLU silu(g) u (Shazeer
+  2020), ReGLU relu(g) u, dReLU relu(g) relu(u) (Turbo Sparse, arXiv 2406.05955 §3)."""
   if family == config_lib.FFN_SWIGLU:
     return jax.nn.silu(gate) * up
   if family == config_lib.FFN_REGLU:
@@ -193,8 +193,8 @@ class Attention(nn.Module):
     cfg = self.config
     d = x.shape[-1]
     n, k, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    # One fused [D, (N + 2K) * H] projection: on XLA CPU three small 3-D einsums ran the
-    # decode matvecs at ~6 GB/s, one 2-D matmul at ~19 GB/s (BUILD_NOTES.md, "Layer loop").
+    # One fused [D, (N + 2K) * H] projection: on XLA CPU one 2-D matmul reads weights ~3x
+    # faster than three small 3-D einsums (BUILD_NOTES.md, "Layer loop").
     qkv = Einsum((d, (n + 2 * k) * h), "BTD,DE->BTE", name="qkv_proj")(x)  # [B, T, (N+2K)*H]
     out, cache_k, cache_v = attention_core(qkv, cache_k, cache_v, pos, cos, sin, config=cfg,
                                            kv_len=self.kv_len)
@@ -220,8 +220,8 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
   """One decoder layer (pre-norm): x += attn(norm(x)); x += ffn(norm(x)).
 
-  With `sparse` set (a `pijax.hybrid.SparseSpec`), the FFN is the hybrid one: predicted (or
-  oracle) active neurons, hot ones on the device, cold ones on the host.
+  With `sparse` set (a `pijax.hybrid.SparseSpec`), the FFN is the module its `make_ffn` returns:
+  the hybrid one (predicted or oracle active neurons, hot on the device, cold on the host).
   """
 
   config: ModelConfig
@@ -244,8 +244,7 @@ class Block(nn.Module):
     if self.sparse is None:
       x = x + FeedForward(self.config, name="ffn")(h)
     else:
-      from pijax.hybrid import HybridFFN  # Imported here: hybrid imports this module.
-      x = x + HybridFFN(self.config, self.sparse, self.layer, name="ffn")(x, h)
+      x = x + self.sparse.make_ffn(self.config, self.layer, name="ffn")(x, h)
     return x, cache_k, cache_v
 
 

@@ -62,7 +62,7 @@ def load_profile(path: str) -> np.ndarray:
 def load_config(model: str):
   """ModelConfig from a GGUF's metadata ('default' = the default model). Raises GGUFError."""
   from pijax.gguf_io import default_model_path, open_gguf
-  from pijax.loader import config_from_metadata
+  from pijax.arch.registry import config_from_metadata
   path = default_model_path() if model == "default" else model
   reader, metadata = open_gguf(path)
   return config_from_metadata(metadata, path, {t.name for t in reader.tensors})
@@ -128,6 +128,7 @@ def main(argv: list[str]) -> None:
     raise ConfigError("--device_budget_gb is required (or --hot_ratio without a budget).")
   if _BUDGET_GB.value is not None and not _BUDGET_GB.value >= 0:
     raise ConfigError(f"--device_budget_gb={_BUDGET_GB.value} must be >= 0.")
+  cli.check_max_seq_len(_MAX_SEQ_LEN.value)
   dtype_bytes = numpy_dtype(_DTYPE.value).itemsize
   try:
     ranks = [int(r) for r in _PREDICTOR_RANKS.value]

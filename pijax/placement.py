@@ -1,9 +1,10 @@
 """Placement: how many FFN neurons of each layer are hot (resident on the device).
 
-../shared/DESIGN.md §1 "Place". The dense part (embedding, LM head, attention, norms, predictors, KV
-cache) goes to the device first and is accounted to the byte; the rest of the budget goes to
-FFN neurons. Each layer's neurons are sorted by descending activation frequency (see
-"Reorder"), so a layer's hot set is a prefix: `hot_counts[l]` = the first h_l neurons.
+PowerInfer's offline placement step (arXiv 2312.12456). The dense part (embedding, LM head,
+attention, norms, predictors, KV cache) goes to the device first and is accounted to the byte;
+the rest of the budget goes to FFN neurons. Each layer's neurons are sorted by descending
+activation frequency (`pijax.convert` permutes them so), so a layer's hot set is a prefix:
+`hot_counts[l]` = the first h_l neurons.
 
 The split is chosen by a mixed-integer program (scipy.optimize.milp, HiGHS): per layer one
 binary per candidate count {0, tile, 2 tile, ..., F}, exactly one chosen, maximising the
@@ -25,10 +26,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pijax.config import ModelConfig
+from pijax.arch.spec import ModelConfig
 from pijax.errors import BudgetError, ConfigError
 
-PREDICTOR_DTYPE_BYTES = 4  # Predictors are f32 (../shared/DESIGN.md §1 "Predictors").
+PREDICTOR_DTYPE_BYTES = 4  # Predictors (fc1, fc2) are stored and run in f32.
 METHOD_MILP = "milp"
 METHOD_HOT_RATIO = "hot_ratio"
 METHODS = (METHOD_MILP, METHOD_HOT_RATIO)

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from pijax import model as model_lib
 from pijax import sparsity
-from pijax.config import ModelConfig
+from pijax.arch.spec import ModelConfig
 from pijax.errors import ConfigError
 
 SPLIT_TRAIN, SPLIT_VAL, SPLIT_TEST = 0, 1, 2

@@ -14,7 +14,7 @@ Greedy decoding is an exact `argmax` selected with `lax.cond`, so it never divid
 temperature and never sorts. The stochastic branch filters in descending-probability order and
 sorts at most once: not at all when no filter is on, only the `_CANDIDATES` most likely tokens
 (`lax.top_k`) when the kept set provably lies among them (the usual case: top_k 40, top_p 0.95,
-min_p 0.05), and the whole vocabulary otherwise (~14 ms at vocab 49152 on a 2-core CPU).
+min_p 0.05), and the whole vocabulary otherwise (a full sort, many times slower on CPU).
 
 Conventions (all rows of a batch share one `SamplingParams`):
   * top_k: keep the k most likely tokens; 0 (or k >= vocab) means off.
@@ -42,8 +42,7 @@ from pijax.errors import ConfigError
 # reaching it, so softmax rounding (0.7499999 vs 0.75) does not keep one token too many.
 _TOP_P_EPS = 1e-6
 _INT32_MAX = 2**31 - 1
-# How many of the most likely tokens the partial-sort path looks at (lax.top_k on CPU: ~0.2 ms at
-# vocab 49152, against ~14 ms for a full sort).
+# How many of the most likely tokens the partial-sort path looks at (lax.top_k, not a full sort).
 _CANDIDATES = 256
 _TINY = 1e-30
 

@@ -135,9 +135,10 @@ def build_tiny_model(n_layers: int, seed: int = 0):
   import jax.numpy as jnp
   import numpy as np
   from pijax import config as config_lib
+  from pijax.arch.spec import ModelConfig
   from pijax import engine
   d, f, n, k, h, v = 576, 1536, 9, 3, 64, 2048
-  cfg = config_lib.ModelConfig(
+  cfg = ModelConfig(
       arch="llama", vocab_size=v, hidden_size=d, intermediate_size=f, n_layers=n_layers,
       n_heads=n, n_kv_heads=k, head_dim=h, rope_theta=100000.0,
       rope_style=config_lib.ROPE_ADJACENT, rope_dim=h, rms_norm_eps=1e-5,
@@ -201,7 +202,8 @@ def attach_synthetic_bundle(model, *, n_tokens: int = 256, target_sparsity: floa
   freqs = np.take_along_axis(counts / n_tokens, perm, axis=1).astype(np.float32)
   ffn = bundle_lib.permute_ffn(model.params, L, perm)
   model.params = bundle_lib.with_ffn(model.params, ffn, model.dtype)
-  model._compiled.clear()
+  from pijax.backends import xla as xla_backend
+  model.use_backend(xla_backend.XlaBackend(model.config, model.params, model.dtype))
   predictors, cuts, recalls = {}, np.zeros(L, np.float32), []
   for i in range(L):
     x_hat = xs[i] / np.sqrt(np.mean(xs[i] * xs[i], -1, keepdims=True))
@@ -554,7 +556,7 @@ def main(argv=None) -> int:
     try:
       model.configure_sparse(mode, hot_ratio=r, use_pallas=bench_pallas)
       res = bench.bench_decode(model, args.n_gen, args.reps)
-      pallas = model.sparse_spec.use_pallas if model.sparse_spec else False
+      pallas = getattr(getattr(model.backend, "spec", None), "use_pallas", False)
       report.add(name, "PASS", f"{res.mean:.1f} ± {res.sd:.1f} tok/s",
                  f"compile {res.compile_s:.1f} s; FFN sparsity {res.ffn_sparsity:.2f}; "
                  f"pallas={pallas}; reps {len(res.tokens_per_s)}")

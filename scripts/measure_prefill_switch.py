@@ -43,9 +43,9 @@ def main(argv):
   with open(_TEXT.value, encoding="utf-8") as f:
     ids = model.tokenizer.encode(f.read()[:20000], add_special=False)[:512]
   run = jax.jit(lambda p, t: hybrid.forward_with_masks(p, t, config=model.config,
-                                                       sparse=model.sparse_spec))
+                                                       sparse=model.backend.spec))
   # bool[L, T, F] per-token predicted active sets over 512 tokens of real text.
-  masks = np.asarray(run(model._run_params, jnp.asarray([ids], jnp.int32))[1][:, 0])
+  masks = np.asarray(run(model.step_params, jnp.asarray([ids], jnp.int32))[1][:, 0])
   rows = []
   for t in lengths:
     windows = [masks[:, s:s + t].any(axis=1).mean() for s in range(0, 512 - t + 1, max(t, 8))]
@@ -57,7 +57,7 @@ def main(argv):
       r = bench.bench_prefill(model, t, _REPS.value)
       rates[dense_tokens] = (r.mean, r.sd, r.ffn_sparsity)
     rows.append((t, union, rates))
-  print(f"model {_MODEL.value}, predictor {model.sparse_spec.predictor_kind}, hot_ratio "
+  print(f"model {_MODEL.value}, predictor {model.backend.spec.predictor_kind}, hot_ratio "
         f"{_HOT_RATIO.value}, backend {jax.default_backend()}")
   print("| T | union of T tokens' active sets | per-token sets t/s | every neuron t/s | "
         "faster |")

@@ -8,7 +8,7 @@ import pytest
 
 from pijax.errors import GGUFError
 from pijax.gguf_io import open_gguf
-from pijax.loader import _dequantize, load_gguf
+from pijax.loader import dequantize, load_gguf
 
 import tiny_models
 
@@ -38,7 +38,7 @@ def test_alignment_reads_back_exactly(tmp_path, alignment):
   assert metadata.get("general.alignment", 32) == (alignment or 32)
   tensors = {t.name: t for t in reader.tensors}
   for name, arr in arrays.items():
-    got = _dequantize(tensors[name], str(path))
+    got = dequantize(tensors[name], str(path))
     np.testing.assert_array_equal(got, arr.astype(np.float32))
 
 

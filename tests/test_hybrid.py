@@ -32,7 +32,7 @@ def test_oracle_threshold_zero_equals_dense(bundle_model, prompt_ids, hot_ratio)
   dense = bundle_model.prompt_logits(prompt_ids)
   dense_gen = bundle_model.generate(prompt_ids, max_new_tokens=6).token_ids
   bundle_model.configure_sparse("oracle", hot_ratio=hot_ratio, oracle_threshold=0.0)
-  assert bundle_model.sparse_spec.hot_counts[0] == min(1536, round(hot_ratio * 1536 / 64) * 64)
+  assert bundle_model.backend.spec.hot_counts[0] == min(1536, round(hot_ratio * 1536 / 64) * 64)
   logits, active = bundle_model.prompt_logits(prompt_ids, return_active=True)
   assert _rel(logits, dense) <= 1e-5
   np.testing.assert_allclose(active, 1.0)
@@ -83,8 +83,8 @@ def test_oracle_equals_dense_with_same_neurons_zeroed(bundle_model, prompt_ids, 
   from pijax import hybrid
   bundle_model.configure_sparse("oracle", hot_ratio=hot_ratio)
   run = jax.jit(lambda p, t: hybrid.forward_with_masks(p, t, config=bundle_model.config,
-                                                       sparse=bundle_model.sparse_spec))
-  logits, masks = run(bundle_model._hybrid_params, jnp.asarray([prompt_ids], jnp.int32))
+                                                       sparse=bundle_model.backend.spec))
+  logits, masks = run(bundle_model.backend.params, jnp.asarray([prompt_ids], jnp.int32))
   bundle_model.configure_sparse("off")
   logits, masks = np.asarray(logits[0]), np.asarray(masks[:, 0])
   assert 0.3 < 1.0 - masks.mean() < 0.7  # Target sparsity 0.5 on calibration text.
@@ -123,10 +123,10 @@ def test_lowbit_predictor_masks_and_logits(bundle_model, prompt_ids, hf_model, h
   from pijax import predictor as predictor_lib
   bundle_model.configure_sparse("predictor", hot_ratio=hot_ratio, predictor_kind="lowbit",
                                 host_predict=False)
-  assert bundle_model.sparse_spec.predictor_kind == "lowbit"
+  assert bundle_model.backend.spec.predictor_kind == "lowbit"
   run = jax.jit(lambda p, t: hybrid.forward_with_masks(p, t, config=bundle_model.config,
-                                                       sparse=bundle_model.sparse_spec))
-  logits, masks = run(bundle_model._hybrid_params, jnp.asarray([prompt_ids], jnp.int32))
+                                                       sparse=bundle_model.backend.spec))
+  logits, masks = run(bundle_model.backend.params, jnp.asarray([prompt_ids], jnp.int32))
   bundle_model.configure_sparse("off")
   logits, masks = np.asarray(logits[0]), np.asarray(masks[:, 0])
   assert 0.3 < 1.0 - masks.mean() < 0.7
@@ -138,7 +138,7 @@ def test_lowbit_predictor_masks_and_logits(bundle_model, prompt_ids, hf_model, h
   cfg = bundle_model.config
   bundle_model.configure_sparse("predictor", hot_ratio=hot_ratio, predictor_kind="lowbit",
                                 host_predict=False)
-  spec, hparams = bundle_model.sparse_spec, bundle_model._hybrid_params
+  spec, hparams = bundle_model.backend.spec, bundle_model.backend.params
   bundle_model.configure_sparse("off")
   t = len(prompt_ids)
   _, state = jax.jit(lambda p, ids: model_lib.Transformer(cfg, t, spec).apply(
@@ -167,7 +167,7 @@ def test_overlapped_host_part_equals_serial(bundle_model, prompt_ids):
   bundle_model.configure_sparse("off")
   dense = bundle_model.prompt_logits(prompt_ids)
   bundle_model.configure_sparse("oracle", hot_ratio=0.3, oracle_threshold=0.0, overlap=True)
-  assert bundle_model.sparse_spec.overlap
+  assert bundle_model.backend.spec.overlap
   assert _rel(bundle_model.prompt_logits(prompt_ids), dense) <= 1e-5
   runs = {}
   for overlap in (False, True):
@@ -197,7 +197,7 @@ def test_predictor_perplexity_within_5_percent_at_30_percent_sparsity(bundle_mod
   dense = ppl_lib.perplexity(bundle_model, text, n_ctx=512, chunks=20, log=quiet)
   dense_text = bundle_model.generate("The capital of France is", max_new_tokens=12).text
   bundle_model.configure_sparse("predictor", hot_ratio=0.3)
-  assert bundle_model.sparse_spec.predictor_kind == "lowbit"
+  assert bundle_model.backend.spec.predictor_kind == "lowbit"
   sparse = ppl_lib.perplexity(bundle_model, text, n_ctx=512, chunks=20, log=quiet)
   sparse_text = bundle_model.generate("The capital of France is", max_new_tokens=12).text
   bundle_model.configure_sparse("off")
@@ -235,7 +235,7 @@ def test_host_predicted_cold_part(bundle_model, prompt_ids, hot_ratio):
   for host_predict in (False, True):
     bundle_model.configure_sparse("predictor", hot_ratio=hot_ratio, predictor_kind="lowbit",
                                   host_predict=host_predict)
-    assert bundle_model.sparse_spec.host_predict == host_predict
+    assert bundle_model.backend.spec.host_predict == host_predict
     logits, active = bundle_model.prompt_logits(prompt_ids, return_active=True)
     result = bundle_model.generate(prompt_ids, max_new_tokens=8)
     assert bundle_model.compile_count("decode") == 1
@@ -259,5 +259,5 @@ def test_sparse_knobs_are_validated(bundle_model):
     with pytest.raises(ConfigError, match=needle):
       bundle_model.configure_sparse("predictor", **kwargs)
   bundle_model.configure_sparse("predictor", hot_ratio=0.0, overlap=True)  # Implies device ids.
-  assert not bundle_model.sparse_spec.host_predict and bundle_model.sparse_spec.overlap
+  assert not bundle_model.backend.spec.host_predict and bundle_model.backend.spec.overlap
   bundle_model.configure_sparse("off")

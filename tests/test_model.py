@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pijax import config as config_lib
+from pijax.arch.spec import ModelConfig
 from pijax import model as model_lib
 from pijax.loader import load_gguf
 
@@ -90,7 +91,7 @@ def test_rms_norm_fp16_does_not_overflow():
 
 def test_rope_styles_agree_under_permutation():
   """Adjacent-pair RoPE on interleaved dims equals half-split RoPE on the original dims."""
-  cfg = config_lib.ModelConfig(
+  cfg = ModelConfig(
       arch="llama", vocab_size=8, hidden_size=16, intermediate_size=8, n_layers=1, n_heads=2,
       n_kv_heads=2, head_dim=8, rope_theta=10000.0, rope_style=config_lib.ROPE_HALF,
       rope_dim=8, rms_norm_eps=1e-5, context_length=64, ffn_family="swiglu",

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pijax import placement as placement_lib
-from pijax.config import ModelConfig
+from pijax.arch.spec import ModelConfig
 from pijax.errors import BudgetError, ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

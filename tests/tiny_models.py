@@ -45,8 +45,13 @@ def make_hf_llama(*, hidden_act: str = "silu", seed: int = 0, vocab: int = 256,
 
 
 def write_gguf(model, path: pathlib.Path, *, ffn_activation: str | None = None,
-               alignment: int | None = None, qtype: str = "F32") -> pathlib.Path:
-  """Writes a transformers Llama as a llama-architecture GGUF (tensors F32 or F16)."""
+               alignment: int | None = None, qtype: str = "F32",
+               interleave_rope: bool = True) -> pathlib.Path:
+  """Writes a transformers Llama as a llama-architecture GGUF (matrices F32, F16 or Q8_0).
+
+  interleave_rope=False keeps transformers' Q/K row order (the NeoX / "half" RoPE layout), for
+  checking the backends' other RoPE layout with a config whose rope_style says so.
+  """
   cfg = model.config
   sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
   w = gguf.GGUFWriter(str(path), "llama")
@@ -68,25 +73,32 @@ def write_gguf(model, path: pathlib.Path, *, ffn_activation: str | None = None,
   # A byte-level toy vocabulary so the file is a complete model.
   w.add_tokenizer_model("gpt2")
   w.add_tokenizer_pre("gpt2")
-  tokens = [f"<t{i}>" for i in range(cfg.vocab_size)]
+  tokens = ["a", "b", "ab"] + [f"<t{i}>" for i in range(3, cfg.vocab_size)]
   w.add_token_list(tokens)
   w.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
-  w.add_token_merges([])
+  w.add_token_merges(["a b"])
   w.add_bos_token_id(0)
   w.add_eos_token_id(1)
   dt = np.float16 if qtype == "F16" else np.float32
 
   def add(name: str, arr: np.ndarray) -> None:
+    if qtype == "Q8_0" and arr.ndim > 1:
+      q = gguf.quants.quantize(np.ascontiguousarray(arr, np.float32),
+                               gguf.GGMLQuantizationType.Q8_0)
+      w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+      return
     w.add_tensor(name, np.ascontiguousarray(arr.astype(dt if arr.ndim > 1 else np.float32)))
+
+  rope_rows = interleave_rope_rows if interleave_rope else (lambda w_, n_: w_)
 
   add("token_embd.weight", sd["model.embed_tokens.weight"])
   for i in range(cfg.num_hidden_layers):
     p = f"model.layers.{i}."
     add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
     add(f"blk.{i}.attn_q.weight",
-        interleave_rope_rows(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
+        rope_rows(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
     add(f"blk.{i}.attn_k.weight",
-        interleave_rope_rows(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
+        rope_rows(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
     add(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
     add(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
     add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])

@@ -1,0 +1,347 @@
+"""The host backend: the whole decoder in numba on the GGUF's own quantized blocks, KV caches in
+host RAM, one `io_callback` per forward pass; XLA only samples.
+
+On a CPU backend every decode token reads every weight, and XLA reads only f32 fast, so the dense
+f32 path reads 538 MB per SmolLM2 token where the file's Q4_1 blocks and Q8_0 embedding read 97 MB
+on the same weight values (activations stay f32).
+
+Weight formats (`--host_weights`):
+  "gguf": Q4_1 and Q8_0 tensors keep their blocks (lossless); any other type (F32, F16, K-quants)
+    is dequantized and re-quantized to Q8_0. A layer's q, k, v share one format (all Q8_0 if the
+    file mixes them).
+  "q8_0": every matrix in Q8_0 (Q8_0 tensors kept, the rest re-quantized from their f32 values).
+"auto" picks "gguf" on a CPU backend for a float32 run of a GGUF whose matrices are all Q4_1 or
+Q8_0, token embedding and output head included (nothing re-quantized), and "off" (the XLA
+backend) otherwise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from host_ops import _common
+from host_ops import decoder as decoder_lib
+from host_ops import qmatmul
+from pijax import gguf_io
+from pijax import loader
+from pijax.arch import registry
+from pijax.arch.spec import ModelConfig
+from pijax.backends import base
+from pijax.backends import bridge
+from pijax.config import FFN_FAMILIES, ROPE_ADJACENT
+from pijax.errors import ConfigError, GGUFError
+
+WEIGHTS_OFF = "off"
+WEIGHTS_GGUF = "gguf"
+WEIGHTS_Q8_0 = "q8_0"
+WEIGHTS_AUTO = "auto"
+WEIGHT_CHOICES = (WEIGHTS_AUTO, WEIGHTS_OFF, WEIGHTS_GGUF, WEIGHTS_Q8_0)
+_KEPT_TYPES = {"Q4_1": qmatmul.Q4_1, "Q8_0": qmatmul.Q8_0}
+
+
+def _tensor_kind(tensor: Any) -> str | None:
+  return _KEPT_TYPES.get(tensor.tensor_type.name)
+
+
+def file_is_block_quantized(path: str | os.PathLike[str]) -> bool:
+  """True when every matrix of the GGUF (layers, token embedding, output head) is Q4_1 or Q8_0,
+  so "gguf" re-quantizes nothing (llama.cpp's Q4_1 files often keep output.weight in Q6_K)."""
+  reader, _ = gguf_io.open_gguf(os.fspath(path))
+  mats = [t for t in reader.tensors if len(t.shape) == 2]
+  return bool(mats) and all(_tensor_kind(t) is not None for t in mats)
+
+
+def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: str
+                  ) -> decoder_lib.HostDecoder:
+  """Reads a GGUF, through its family's tensor map, into a HostDecoder in the `weights` format
+  ("gguf" | "q8_0").
+
+  Raises:
+    GGUFError: missing tensors or types gguf cannot dequantize.
+    ConfigError: an unknown weights format, sizes not a multiple of the block, a non-gated FFN.
+  """
+  if weights not in (WEIGHTS_GGUF, WEIGHTS_Q8_0):
+    raise ConfigError(f"--host_weights={weights!r}: build needs 'gguf' or 'q8_0'.")
+  path = os.fspath(path)
+  if config.ffn_family not in FFN_FAMILIES:
+    raise ConfigError(f"--host_weights needs a gated FFN (swiglu, reglu, drelu); this model's "
+                      f"FFN is {config.ffn_family}; use --host_weights=off.")
+  if config.hidden_size % qmatmul.BLOCK or config.intermediate_size % qmatmul.BLOCK:
+    raise ConfigError(f"--host_weights={weights}: {path} has hidden_size {config.hidden_size} / "
+                      f"intermediate_size {config.intermediate_size}, not multiples of "
+                      f"{qmatmul.BLOCK} (the block size); use --host_weights=off.")
+  reader, _ = gguf_io.open_gguf(path)
+  tensors = {t.name: t for t in reader.tensors}
+  names = registry.get_family(config.arch, path).tensors
+
+  def raw(role: str, layer: int | None = None):
+    name = names.name(role, layer)
+    if name not in tensors:
+      raise GGUFError(f"{path}: tensor {name!r} is missing; the file is incomplete.")
+    return tensors[name]
+
+  def shape_of(tensor) -> tuple[int, ...]:
+    return tuple(int(s) for s in reversed(tensor.shape))
+
+  def f32(role: str, layer: int | None = None) -> np.ndarray:
+    return loader.dequantize(raw(role, layer), path)
+
+  def matrix(ts: list[Any]) -> qmatmul.QMatrix:
+    """The [out, in] matrices stacked by rows, kept in their blocks when allowed."""
+    kinds = {_tensor_kind(t) for t in ts}
+    keep = kinds.pop() if len(kinds) == 1 else None
+    if keep is not None and (weights == WEIGHTS_GGUF or keep == qmatmul.Q8_0):
+      mats = [qmatmul.from_gguf_blocks(keep, t.data, shape_of(t)) for t in ts]
+    else:
+      mats = [qmatmul.quantize_q8_0(loader.dequantize(t, path)) for t in ts]
+    return mats[0] if len(mats) == 1 else qmatmul.stack_rows(mats)
+
+  layers = []
+  for i in range(config.n_layers):
+    layers.append(decoder_lib.HostLayer(
+        attn_norm=f32("attn_norm", i),
+        qkv=matrix([raw("q", i), raw("k", i), raw("v", i)]),
+        attn_out=matrix([raw("o", i)]),
+        ffn_norm=f32("ffn_norm", i),
+        gate=matrix([raw("gate", i)]),
+        up=matrix([raw("up", i)]),
+        down=matrix([raw("down", i)])))
+  embedding = matrix([raw("embedding")])
+  head = embedding if config.tied_output else matrix([raw("lm_head")])
+  return decoder_lib.HostDecoder(
+      embedding, layers, f32("final_norm"), head, eps=config.rms_norm_eps,
+      family=config.ffn_family, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
+      head_dim=config.head_dim, rope_theta=config.rope_theta, rope_dim=config.rope_dim,
+      rope_scale=config.rope_scale, rope_adjacent=config.rope_style == ROPE_ADJACENT)
+
+
+@flax.struct.dataclass
+class HostState:
+  """The decode state of the host backend: which of its host KV caches a sequence uses.
+
+  cache_id: i32[1] (a traced value, so one executable serves every cache).
+  """
+
+  cache_id: jax.Array
+
+
+class HostBackend(base.Backend):
+  """Quantized host weights; the backend owns the host KV caches of its sequences.
+
+  Args:
+    config: ModelConfig.
+    decoder: host_ops.decoder.HostDecoder built by `build_decoder`.
+    weights: "gguf" | "q8_0" (the format it was built in).
+  """
+
+  name = "host"
+  exact_kv = True
+  donate_state = False  # The state is an id; release_state reads it after the last step.
+
+  def __init__(self, config: ModelConfig, decoder: decoder_lib.HostDecoder, weights: str):
+    super().__init__(config)
+    self.decoder = decoder
+    self.weights = weights
+    self._caches: dict[int, decoder_lib.HostKVCache] = {}
+    self._ids = itertools.count(1)
+
+  @property
+  def label(self) -> str:
+    dec = self.decoder
+    kinds = {w.kind for layer in dec.layers for w in layer.matrices()} | {dec.lm_head.kind}
+    return "+".join(sorted(kinds)) + " host"
+
+  @property
+  def mode(self) -> str:
+    return "off" if self.decoder.gate_cuts is None else "gate"
+
+  @property
+  def weights_format(self) -> str:
+    return self.weights
+
+  @property
+  def params(self) -> Any:
+    return {}  # The weights live in the host decoder.
+
+  # ----------------------------------------------------------------------------- state
+  def init_state(self, batch: int, max_seq_len: int) -> HostState:
+    cache_id = next(self._ids)
+    self._caches[cache_id] = self.decoder.new_cache(batch, max_seq_len)
+    return HostState(cache_id=jnp.asarray([cache_id], jnp.int32))
+
+  def release_state(self, state: HostState) -> None:
+    self._caches.pop(int(np.asarray(state.cache_id)[0]), None)
+
+  def host_cache(self, state: HostState) -> decoder_lib.HostKVCache:
+    """The host KV cache behind a state (ConfigError if it was released)."""
+    try:
+      return self._caches[int(np.asarray(state.cache_id)[0])]
+    except KeyError:
+      raise ConfigError("this decode state's host KV cache was released (or belongs to "
+                        "another backend); start from init_state.") from None
+
+  @property
+  def live_states(self) -> int:
+    """How many host KV caches this backend holds."""
+    return len(self._caches)
+
+  # ----------------------------------------------------------------------------- steps
+  def _forward_cb(self, all_rows: bool, cache_id, tokens, pos, index):
+    try:
+      cache = self._caches[int(np.asarray(cache_id)[0])]
+    except KeyError:
+      raise ConfigError("a host KV cache was used after release_state.") from None
+    b, t = tokens.shape
+    rows = None if all_rows else np.arange(b) * t + int(index)
+    logits = self.decoder.forward(cache, np.asarray(tokens), int(pos), rows)
+    if all_rows:
+      logits = logits.reshape(b, t, self.config.vocab_size)
+    return logits, self.decoder.last_active.astype(np.float32)
+
+  def _forward(self, state: HostState, tokens, pos, index):
+    b, t = tokens.shape
+    all_rows = index is None
+    shape = (b, t, self.config.vocab_size) if all_rows else (b, self.config.vocab_size)
+    out = (jax.ShapeDtypeStruct(shape, jnp.float32),
+           jax.ShapeDtypeStruct((self.config.n_layers,), jnp.float32))
+    logits, active = bridge.host_forward(
+        lambda *args: self._forward_cb(all_rows, *args), state.cache_id, tokens, pos,
+        jnp.zeros((), jnp.int32) if all_rows else index, out)
+    return logits, state, active
+
+  def prefill(self, params, state, tokens, length, pos, *, kv_len, all_logits):
+    del params, kv_len  # The host attends exactly [0, pos + T).
+    index = None if all_logits else jnp.asarray(length, jnp.int32) - 1
+    return self._forward(state, tokens, pos, index)
+
+  def decode(self, params, state, tokens, pos, *, kv_len):
+    del params, kv_len
+    return self._forward(state, tokens[:, None], pos, jnp.zeros((), jnp.int32))
+
+  # ----------------------------------------------------------------------------- accounting
+  def weight_bytes_per_token(self, ffn_sparsity: float = 0.0) -> tuple[int, int]:
+    """GGUF block bytes (gate-first: every gate row, the active share of up and down rows)."""
+    active = None if self.decoder.gate_cuts is None else 1.0 - ffn_sparsity
+    return self.decoder.bytes_per_token(active), self.decoder.bytes_per_token()
+
+  def weight_bytes(self) -> int:
+    return self.decoder.nbytes()
+
+
+def choose_weights(weights: str, *, path: str, dtype: Any, is_bundle: bool) -> str:
+  """Resolves --host_weights: "auto" -> "gguf" on a CPU backend for a float32 run of a plain
+  GGUF whose matrices are all Q4_1/Q8_0, else "off"; other values are checked.
+
+  Raises:
+    ConfigError: an unknown value, or host weights asked for a bundle.
+  """
+  if weights not in WEIGHT_CHOICES:
+    raise ConfigError(f"--host_weights={weights!r} must be one of {', '.join(WEIGHT_CHOICES)}.")
+  if weights == WEIGHTS_AUTO:
+    return WEIGHTS_GGUF if (jax.default_backend() == "cpu" and not is_bundle
+                            and np.dtype(dtype) == np.float32
+                            and file_is_block_quantized(path)) else WEIGHTS_OFF
+  if weights != WEIGHTS_OFF and is_bundle:
+    raise ConfigError(f"--host_weights={weights} runs the dense model from a GGUF; {path} is a "
+                      "sparse bundle (use --host_weights=off there).")
+  return weights
+
+
+def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
+          calibration_chunks=None, gate_sparsity: float = 0.5) -> HostBackend:
+  """A HostBackend for a GGUF, its numba kernels loaded (compiled on first use) before returning.
+
+  Args:
+    weights: "gguf" | "q8_0".
+    gate_cuts: turn on the gate-first sparse FFN (`host_ops.gated_ffn`): None = off, True =
+      on with cuts calibrated on `calibration_chunks` (int[t] token arrays) for `gate_sparsity`
+      (SwiGLU), or zero cuts (ReLU families and gate_sparsity 0: exact zeros skipped).
+
+  Raises:
+    ConfigError, GGUFError: see `build_decoder`; UnsupportedError for a family it cannot run.
+  """
+  HostBackend.supports(config)
+  try:
+    dec = build_decoder(path, config, weights)
+    # Load (first run: compile) numba's kernels now, not inside the first timed generation:
+    # one decode-sized pass and one prefill-sized pass (above the gemv row limit).
+    rows = qmatmul.GEMV_MAX_ROWS + 1
+    cache = dec.new_cache(1, rows + 1)
+    dec.forward(cache, np.zeros((1, rows), np.int64), 0)
+    dec.forward(cache, np.zeros((1, 1), np.int64), rows)
+    if gate_cuts:
+      cuts = [0.0] * dec.n_layers
+      if calibration_chunks is not None:
+        cuts = dec.calibrate_gate_cuts(calibration_chunks, gate_sparsity)
+      dec.enable_gated(cuts)
+  except _common.HostOpError as err:
+    raise ConfigError(f"--host_weights={weights}: {err}") from None
+  return HostBackend(config, dec, weights)
+
+
+def calibration_chunks(model, path: str | None, n_chunks: int = 8, length: int = 256
+                       ) -> list[np.ndarray]:
+  """Up to n_chunks int[length] token arrays from a text file (gate-cut calibration data).
+
+  Raises:
+    ConfigError: no file given, unreadable, or too short.
+  """
+  if not path:
+    raise ConfigError("--gate_sparse on a SwiGLU model calibrates its cuts on text: pass "
+                      "--calibration_file=FILE (e.g. ../shared/data/tinyshakespeare/input.txt; "
+                      "never the evaluation text).")
+  try:
+    with open(path, encoding="utf-8") as fh:
+      text = fh.read(400_000)
+  except (OSError, UnicodeDecodeError) as err:
+    raise ConfigError(f"--calibration_file={path}: cannot read it ({err}).") from None
+  ids = model.tokenizer.encode(text, add_special=False)
+  length = min(length, model.max_seq_len)
+  chunks = [np.asarray(ids[i:i + length]) for i in range(0, len(ids) - length + 1, length)]
+  if not chunks:
+    raise ConfigError(f"--calibration_file={path} holds {len(ids)} tokens; need at least "
+                      f"{length}.")
+  return chunks[:n_chunks]
+
+
+def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
+              gate_sparsity: float = 0.5, calibration_file: str | None = None) -> base.Backend:
+  """The backend for a dense run of `model` (`pijax.engine.Model`) with `--host_weights`.
+
+  Args:
+    weights: "off" | "gguf" | "q8_0" | "auto" (see `choose_weights`).
+    gate_sparse: the gate-first sparse FFN (`host_ops.gated_ffn`): ReGLU/dReLU skip exact
+      zeros; SwiGLU skips neurons with |silu(gate . h)| below a per-layer cut calibrated for
+      `gate_sparsity` on `calibration_file` (CATS, arXiv 2404.08763 §3; never the evaluation
+      text).
+    gate_sparsity: SwiGLU target fraction of FFN neurons skipped, in [0, 1).
+
+  Returns:
+    A HostBackend, or the dense XlaBackend when the choice is "off".
+
+  Raises:
+    ConfigError: an unknown format, host weights for a bundle, gate_sparse without host
+      weights, a bad sparsity or a missing calibration file.
+  """
+  from pijax.backends import xla
+  if not (0.0 <= gate_sparsity < 1.0):
+    raise ConfigError(f"--gate_sparsity={gate_sparsity} must be in [0, 1).")
+  weights = choose_weights(weights, path=model.path, dtype=model.dtype,
+                           is_bundle=model.sparse is not None)
+  if gate_sparse and weights == WEIGHTS_OFF:
+    raise ConfigError("--gate_sparse runs on quantized host weights: add --host_weights=gguf "
+                      "(or q8_0); it needs a plain GGUF.")
+  if weights == WEIGHTS_OFF:
+    return xla.XlaBackend(model.config, model.params, model.dtype)
+  chunks = None
+  if gate_sparse and model.config.ffn_family == "swiglu" and gate_sparsity > 0:
+    chunks = calibration_chunks(model, calibration_file)
+  return build(model.config, model.path, weights, gate_cuts=gate_sparse or None,
+               calibration_chunks=chunks, gate_sparsity=gate_sparsity)

@@ -1,0 +1,162 @@
+"""The hybrid sparse backend (PowerInfer, arXiv 2312.12456 §4-5): hot FFN neurons on the device,
+cold ones on the host, active sets from predictors (or the oracle); attention and everything
+outside the FFN in XLA. The FFN itself is `pijax.hybrid.HybridFFN`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from pijax import hybrid as hybrid_lib
+from pijax import model as model_lib
+from pijax import predictor as predictor_lib
+from pijax.arch.spec import ModelConfig
+from pijax.backends import base
+from pijax.errors import ConfigError
+
+
+class HybridBackend(base.Backend):
+  """A bundle run in a sparse mode.
+
+  Args:
+    config: ModelConfig.
+    spec: pijax.hybrid.SparseSpec (static: mode, hot counts, the host rows of each layer).
+    params: the hybrid param tree (`pijax.hybrid.build_hybrid`).
+    dtype: numpy dtype of the device params and KV cache.
+  """
+
+  name = "hybrid"
+
+  def __init__(self, config: ModelConfig, spec: hybrid_lib.SparseSpec, params: Any, dtype: Any):
+    super().__init__(config)
+    self.spec = spec
+    self._params = params
+    self.dtype = np.dtype(dtype)
+
+  @property
+  def label(self) -> str:
+    return str(self.dtype)
+
+  @property
+  def mode(self) -> str:
+    return self.spec.mode
+
+  @property
+  def params(self) -> Any:
+    return self._params
+
+  def init_state(self, batch: int, max_seq_len: int) -> model_lib.KVCache:
+    return model_lib.init_cache(self.config, batch, max_seq_len, self.dtype)
+
+  def prefill(self, params, state, tokens, length, pos, *, kv_len, all_logits):
+    return hybrid_lib.hybrid_prefill(params, state, tokens, length, config=self.config,
+                                     kv_len=kv_len, sparse=self.spec, pos=pos,
+                                     all_logits=all_logits)
+
+  def decode(self, params, state, tokens, pos, *, kv_len):
+    return hybrid_lib.hybrid_decode_step(params, state, tokens, pos, config=self.config,
+                                         kv_len=kv_len, sparse=self.spec)
+
+  def weight_bytes_per_token(self, ffn_sparsity: float = 0.0) -> tuple[int, int]:
+    """Everything but the FFN, plus predictors (f32 MLP or 4-bit low-bit), plus every hot row
+    (the CPU path reads every hot row; the GPU kernel only active ones), plus the active share
+    of the cold rows (approximated by the overall active share)."""
+    cfg, spec = self.config, self.spec
+    item = self.dtype.itemsize
+    total = cfg.n_params() * item
+    ffn = 3 * cfg.hidden_size * cfg.intermediate_size * cfg.n_layers * item
+    neuron = 3 * cfg.hidden_size * item
+    hot = sum(spec.hot_counts) * neuron
+    cold = sum(cfg.intermediate_size - n for n in spec.hot_counts) * neuron
+    if spec.mode == hybrid_lib.MODE_PREDICTOR and \
+        spec.predictor_kind == predictor_lib.PREDICTOR_LOWBIT:
+      pred = predictor_lib.lowbit_bytes(cfg.hidden_size, cfg.intermediate_size) * cfg.n_layers
+    elif spec.mode == hybrid_lib.MODE_PREDICTOR:
+      pred = sum(4 * r * (cfg.hidden_size + cfg.intermediate_size) for r in spec.ranks)
+    else:  # Oracle: the whole gate and up matrices decide the active set.
+      pred = 2 * cfg.hidden_size * cfg.intermediate_size * cfg.n_layers * item
+    return int(total - ffn + hot + (1.0 - ffn_sparsity) * cold + pred), total
+
+  def weight_bytes(self) -> int:
+    return self.config.n_params() * self.dtype.itemsize
+
+
+def replace_counts(model, *, hot_ratio: float | None = None,
+                   device_budget_gb: float | None = None) -> list[int]:
+  """Per-layer hot counts of a bundle-loaded `model`, re-placed from the bundle's activation
+  frequencies for a hot ratio or a device budget (`pijax.placement.place`).
+
+  Raises:
+    ConfigError: not a bundle, or a budget that is not a finite number > 0.
+    BudgetError: the budget is too small for the dense part.
+  """
+  from pijax import placement as placement_lib
+  if model.sparse is None:
+    raise ConfigError(f"{model.path}: re-placing neurons needs a bundle (pijax.convert).")
+  if device_budget_gb is not None and not (device_budget_gb > 0
+                                           and math.isfinite(device_budget_gb)):
+    raise ConfigError(f"--device_budget_gb={device_budget_gb} must be a finite number > 0 "
+                      "(GB = 1e9 bytes); omit it for no re-placement.")
+  ranks = [int(layer["predictor_rank"]) for layer in model.sparse.manifest["layers"]]
+  placement = placement_lib.place(
+      model.config, model.sparse.frequencies,
+      budget_bytes=None if device_budget_gb is None else int(device_budget_gb * 1e9),
+      max_seq_len=model.max_seq_len, dtype_bytes=model.dtype.itemsize, predictor_ranks=ranks,
+      tile=int(model.sparse.manifest["placement"].get("tile", 64)), hot_ratio=hot_ratio)
+  return list(placement.hot_counts)
+
+
+def for_model(model, mode: str = hybrid_lib.MODE_OFF, *, hot_ratio: float | None = None,
+              device_budget_gb: float | None = None, host_threads: int | None = None,
+              oracle_threshold: float | None = None, threshold_scale: float = 1.0,
+              cut_offset: float = 0.0, predictor_kind: str = "auto",
+              prefill_dense_tokens: int = 0, overlap: bool = False,
+              host_predict: bool | None = None, use_pallas: bool | None = None
+              ) -> base.Backend:
+  """The backend for `model` (`pijax.engine.Model`) in sparse mode `mode`.
+
+  Args:
+    mode: "off" (dense: the model's dense backend, XLA after a sparse one) | "oracle" |
+      "predictor" (sparse modes need a bundle).
+    hot_ratio: re-place at load: this fraction of each layer's neurons is hot.
+    device_budget_gb: re-place at load with the MILP for this device budget (1e9 bytes).
+    host_threads: numba threads for the cold neurons.
+    oracle_threshold: replaces the contribution thresholds in oracle mode (0 = all active).
+    threshold_scale: multiplies the contribution thresholds (oracle mode; in predictor mode
+      the low-bit predictor's cuts, which are those thresholds).
+    cut_offset: added to the MLP predictor logit cuts (predictor mode; > 0 skips more).
+    predictor_kind: "auto" (low-bit for SwiGLU/GeGLU, MLP for ReLU families), "mlp" or
+      "lowbit" (see `pijax.predictor`).
+    prefill_dense_tokens, overlap, host_predict: see `pijax.hybrid.SparseSpec`.
+    use_pallas: force the Pallas kernel for the hot part of decode (default: on GPU).
+
+  Raises:
+    ConfigError: bad mode, a plain GGUF with a sparse mode, bad hot_ratio or thread count.
+    BudgetError: the budget is too small for the dense part.
+  """
+  from host_ops import _common
+  from pijax.backends import xla
+  if mode not in hybrid_lib.MODES:
+    raise ConfigError(f"--sparse={mode!r} must be one of {', '.join(hybrid_lib.MODES)}.")
+  if host_threads is not None:
+    if host_threads < 1:
+      raise ConfigError(f"--host_threads={host_threads} must be >= 1.")
+    try:
+      _common.set_host_threads(int(host_threads))
+    except _common.HostOpError as err:
+      raise ConfigError(f"--host_threads={host_threads}: {err}") from None
+  if mode == hybrid_lib.MODE_OFF:  # Dense: leave a dense backend (XLA or host) as it is.
+    if isinstance(model.backend, HybridBackend):
+      return xla.XlaBackend(model.config, model.params, model.dtype)
+    return model.backend
+  hot_counts = None
+  if hot_ratio is not None or device_budget_gb is not None:
+    hot_counts = replace_counts(model, hot_ratio=hot_ratio, device_budget_gb=device_budget_gb)
+  spec, params = hybrid_lib.build_hybrid(
+      model, mode=mode, hot_counts=hot_counts, oracle_threshold=oracle_threshold,
+      threshold_scale=threshold_scale, cut_offset=cut_offset, predictor_kind=predictor_kind,
+      prefill_dense_tokens=prefill_dense_tokens, overlap=overlap, host_predict=host_predict,
+      use_pallas=use_pallas)
+  return HybridBackend(model.config, spec, params, model.dtype)

@@ -1,0 +1,181 @@
+"""Conformance of every backend on every tiny family (SwiGLU, ReGLU, dReLU; both RoPE layouts).
+
+Oracles: transformers (CPU, f32) on the same weights; and the backends against each other on the
+same inputs (the host backend keeps Q8_0 blocks, so it is checked against the XLA backend running
+the same dequantized values). Also: decode compiles once per backend, a backend refuses what it
+cannot run by name, and two models / two interleaved sequences give the tokens of separate runs.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import pijax
+import tiny_models
+from pijax import bundle as bundle_lib
+from pijax import config as config_lib
+from pijax.arch import registry
+from pijax.backends import host as host_backend
+from pijax.backends import hybrid as hybrid_backend
+from pijax.backends import xla as xla_backend
+from pijax.errors import GGUFError, UnsupportedError
+
+FAMILIES = [("swiglu", "silu", None, False), ("reglu", "relu", "relu", False),
+            ("drelu", "relu", "drelu", True)]
+IDS = [3, 17, 99, 4, 250, 11, 42, 7, 128, 64, 5, 200]
+
+
+def _hf_logits(hf, ids):
+  import torch
+  with torch.no_grad():
+    return hf(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def _tiny(tmp_path, family, act, activation, tied, rope, qtype="F32", seed=3):
+  """(transformers model, pijax Model) of one tiny family in one RoPE layout."""
+  hf = tiny_models.make_hf_llama(hidden_act=act, tied=tied, seed=seed)
+  if family == "drelu":
+    tiny_models.use_drelu(hf)
+  path = tiny_models.write_gguf(hf, tmp_path / f"{family}_{rope}_{qtype}.gguf",
+                                ffn_activation=activation, qtype=qtype,
+                                interleave_rope=rope == config_lib.ROPE_ADJACENT)
+  model = pijax.load(path, max_seq_len=64)
+  assert model.config.ffn_family == family
+  if rope == config_lib.ROPE_HALF:  # The file keeps HF's row order: tell every backend so.
+    model.config = dataclasses.replace(model.config, rope_style=config_lib.ROPE_HALF)
+    model.use_backend(xla_backend.XlaBackend(model.config, model.params, model.dtype))
+  return hf, model
+
+
+def _tiny_bundle(model, hot_ratio=0.5):
+  """An in-memory bundle of a tiny model: identity neuron order, MLP predictors that mark every
+  neuron active (bias-free fc2 of zeros against a cut below 0)."""
+  cfg = model.config
+  f, d = cfg.intermediate_size, cfg.hidden_size
+  perm = np.tile(np.arange(f, dtype=np.int32), (cfg.n_layers, 1))
+  hot = int(round(hot_ratio * f))
+  rank = 8
+  model.sparse = bundle_lib.SparseBundle(
+      path="(in memory)", manifest={"layers": [{"predictor_rank": rank}] * cfg.n_layers,
+                                    "placement": {"tile": 16}},
+      ffn=bundle_lib.permute_ffn(model.params, cfg.n_layers, perm),
+      predictors={f"layers_{i}": {"fc1": np.zeros((d, rank), np.float32),
+                                  "fc2": np.zeros((rank, f), np.float32)}
+                  for i in range(cfg.n_layers)},
+      cuts=np.full(cfg.n_layers, -1.0, np.float32),
+      thresholds=np.zeros(cfg.n_layers, np.float32),
+      rms_bounds=np.full(cfg.n_layers, np.inf, np.float32),
+      frequencies=np.ones((cfg.n_layers, f), np.float32), perm=perm,
+      hot_counts=[hot] * cfg.n_layers)
+  return model
+
+
+def _backends(model, path):
+  """name -> backend for one tiny model (the host one on a Q8_0 copy is separate)."""
+  return {
+      "xla": xla_backend.XlaBackend(model.config, model.params, model.dtype),
+      "hybrid_oracle": hybrid_backend.for_model(_tiny_bundle(model), "oracle",
+                                                hot_ratio=0.5, oracle_threshold=0.0),
+      "hybrid_predictor": hybrid_backend.for_model(_tiny_bundle(model), "predictor",
+                                                   hot_ratio=0.25, predictor_kind="mlp",
+                                                   host_predict=False),
+  }
+
+
+@pytest.mark.parametrize("rope", [config_lib.ROPE_ADJACENT, config_lib.ROPE_HALF])
+@pytest.mark.parametrize("family,act,activation,tied", FAMILIES)
+def test_device_backends_match_transformers(tmp_path, family, act, activation, tied, rope):
+  """XLA and hybrid (every neuron active: the hot half on the device, the cold half through
+  the host callback) give transformers' logits, prefill and decode, through the engine."""
+  hf, model = _tiny(tmp_path, family, act, activation, tied, rope)
+  ref = _hf_logits(hf, IDS)
+  for name, backend in _backends(model, model.path).items():
+    model.use_backend(backend)
+    got = model.prompt_logits(IDS)
+    err = np.abs(got - ref).max()
+    assert err <= 1e-4 * np.abs(ref).max(), (name, err)
+    # Greedy decode through the engine equals transformers' greedy continuation.
+    result = model.generate(IDS[:5], max_new_tokens=6, temperature=0.0)
+    want = list(IDS[:5])
+    for _ in range(len(result.token_ids)):
+      want.append(int(_hf_logits(hf, want)[-1].argmax()))
+    assert result.token_ids == want[5:], name
+    assert model.compile_count("decode") == 1, name
+
+
+@pytest.mark.parametrize("rope", [config_lib.ROPE_ADJACENT, config_lib.ROPE_HALF])
+@pytest.mark.parametrize("family,act,activation,tied", FAMILIES)
+def test_host_backend_matches_xla_on_the_same_blocks(tmp_path, family, act, activation, tied,
+                                                     rope):
+  """On a Q8_0 file the host backend (blocks kept) and the XLA backend (blocks dequantized to
+  f32) compute the same function; both stay close to transformers' unquantized model."""
+  hf, model = _tiny(tmp_path, family, act, activation, tied, rope, qtype="Q8_0")
+  xla_logits = model.prompt_logits(IDS)
+  xla_tokens = model.generate(IDS[:5], max_new_tokens=6, temperature=0.0).token_ids
+  model.use_backend(host_backend.build(model.config, model.path, "gguf"))
+  assert model.backend.decoder.lm_head.kind == "q8_0"
+  host_logits = model.prompt_logits(IDS)
+  np.testing.assert_allclose(host_logits, xla_logits, rtol=1e-4,
+                             atol=1e-4 * np.abs(xla_logits).max())
+  result = model.generate(IDS[:5], max_new_tokens=6, temperature=0.0)
+  assert result.token_ids == xla_tokens
+  assert model.compile_count("decode") == 1
+  assert model.backend.live_states == 0  # The engine released its host KV caches.
+  ref = _hf_logits(hf, IDS)
+  assert np.abs(host_logits - ref).max() <= 0.05 * np.abs(ref).max()
+
+
+def test_backends_refuse_what_they_do_not_implement(tmp_path):
+  """A family switch no backend implements is refused by name; so is an unknown architecture."""
+  _, model = _tiny(tmp_path, "swiglu", "silu", None, False, config_lib.ROPE_ADJACENT)
+  for switch, value in (("qk_norm", True), ("qkv_bias", True),
+                        ("norm_placement", config_lib.NORM_SANDWICH), ("sliding_window", 512)):
+    cfg = dataclasses.replace(model.config, **{switch: value})
+    assert cfg.variant_switches() == {switch: value}
+    for cls in (xla_backend.XlaBackend, host_backend.HostBackend, hybrid_backend.HybridBackend):
+      with pytest.raises(UnsupportedError, match=f"{cls.name} backend .*{switch}"):
+        cls.supports(cfg)
+  assert model.config.variant_switches() == {}
+  with pytest.raises(GGUFError, match="architecture 'qwen2' is not supported"):
+    registry.get_family("qwen2", "m.gguf")
+  with pytest.raises(GGUFError, match="not supported"):
+    registry.config_from_metadata({"general.architecture": None}, "m.gguf", set())
+
+
+def test_family_tensor_map_is_the_one_the_loaders_read():
+  names = registry.get_family("llama").tensors
+  assert names.name("q", 3) == "blk.3.attn_q.weight"
+  assert names.name("lm_head") == "output.weight"
+  assert set(registry.LAYER_ROLES + registry.GLOBAL_ROLES) == set(names.names)
+
+
+@pytest.mark.parametrize("backend", ["xla", "host", "hybrid"])
+def test_two_models_and_interleaved_sequences(tmp_path, backend):
+  """Two Models in one process, and two interleaved streams of one Model, give the tokens of
+  separate runs (sampled, so the PRNG state of each sequence is separate too)."""
+  paths = [tiny_models.write_random_quantized_gguf(tmp_path / f"m{s}.gguf", layer_type="Q8_0",
+                                                   seed=s) for s in (0, 1)]
+  models = [pijax.load(p, max_seq_len=64) for p in paths]
+  for model in models:
+    if backend == "host":
+      model.configure_host_weights("gguf")
+    elif backend == "hybrid":
+      _tiny_bundle(model)
+      model.configure_sparse("oracle", hot_ratio=0.5, oracle_threshold=0.0)
+    assert model.backend.name == backend
+  prompts = [[0, 5, 9, 77], [0, 7, 3]]
+  kwargs = dict(max_new_tokens=8, temperature=0.9, top_k=20, seed=11)
+  alone = {(m, p): models[m].generate(prompts[p], **kwargs).token_ids
+           for m in (0, 1) for p in (0, 1)}
+  assert alone[0, 0] != alone[1, 0]  # Different weights, different tokens.
+  streams = {(m, p): models[m].stream(prompts[p], **kwargs) for m in (0, 1) for p in (0, 1)}
+  pending = dict(streams)
+  while pending:  # Round-robin one piece at a time over two models x two sequences.
+    for key, stream in list(pending.items()):
+      if next(stream, None) is None and stream.result is not None:
+        del pending[key]
+  for key, stream in streams.items():
+    assert stream.result.token_ids == alone[key], key
+  if backend == "host":
+    assert all(m.backend.live_states == 0 for m in models)
