@@ -1,6 +1,6 @@
 """Quantized host matrices in llama.cpp's block formats, and their matrix products (numba).
 
-Why (issue 5, ../shared/DESIGN.md §4): on a CPU a decode step is bound by the bytes of weights it
+Why (issue 5): on a CPU a decode step is bound by the bytes of weights it
 reads, and XLA CPU cannot read 4/8-bit weights fast (it does not fuse the integer convert into
 the dot). These host kernels read the GGUF's own blocks, so a Q4_1 file runs at 5 bits per
 weight with exactly the values the f32 dense path dequantizes (activations stay f32; only the
@@ -18,9 +18,8 @@ loop reads every block once and dots it with each row of x (parallel over output
 larger b (prefill, perplexity) each weight row is dequantized once into an f32 buffer and dotted
 with every row of x, so the 4-bit decode is paid once per row, not once per token.
 
-Measured (dev-2c, 2 threads, SmolLM2 layer shapes, 30 layers cycled from DRAM, throwaway script):
-the flat loop ran Q4_1 at 11.9 G weights/s and Q8_0 at 11.0, f32 at 5.7; a loop nest over blocks
-(inner loop of 16 or 32) ran at 3.0-4.3, and integer dots with an int8-quantized x at 5.3-5.4.
+The flat loop is the fastest shape measured: a loop nest over blocks, and integer dots with an
+int8-quantized x, were slower (BUILD_NOTES.md).
 
 Layout per STYLE.md: numba kernels -> QMatrix (validates, dispatches) -> NumPy references.
 """
@@ -38,12 +37,9 @@ Q4_1 = "q4_1"
 Q8_0 = "q8_0"
 KINDS = (Q4_1, Q8_0)
 # Rows of x up to which the flat gemv loop is used; above it each weight row is dequantized
-# once into an f32 buffer and dotted with every row of x. Measured on dev-2c (SmolLM2
-# [1536, 576] Q4_1, 2 threads): equal at b = 8 (~1 ms); at b = 64 the second is 2x faster
-# (16 vs 8 G MAC/s), at b = 512 1.4x (22 vs 15). Dequantizing tiles of 16 rows and dotting 4
-# rows of x per pass then took b = 512 from 26 to 54 G MAC/s (one row at a time: 26; tiles of
-# 8 rows, one x row: 40; 4 x rows, no tile: 34). NumPy's BLAS is not used: its threads and
-# numba's spin against each other on a 2-core machine (a 1-row product went 62 us -> 2.2 ms).
+# once into an f32 buffer (tiles of 16 rows, dotted with 4 rows of x per pass) and dotted with
+# every row of x: the two break even at about 8 rows, and the second gains with the batch.
+# NumPy's BLAS is not used: its threads and numba's spin against each other on a 2-core machine.
 GEMV_MAX_ROWS = 8
 
 # GGUF block sizes in bytes: Q4_1 = f16 d, f16 m, 16 bytes of nibbles; Q8_0 = f16 d, 32 int8.

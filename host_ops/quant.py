@@ -1,6 +1,6 @@
 """Q8 host weights: int8 rows with one f32 scale per block of 32 values (like llama.cpp's Q8_0).
 
-Why (../shared/DESIGN.md §4, issue "CPU speed"): host ops are bandwidth-bound, and int8 rows read
+Why (issue "CPU speed"): host ops are bandwidth-bound, and int8 rows read
 1.125 bytes per weight (1 + 4/32 for the scales) instead of 4. Activations stay f32 (never
 quantized); products q * scale * x are accumulated in f32.
 
@@ -89,14 +89,13 @@ def check_q8(name: str, q, scales) -> Q8Rows:
   return Q8Rows(q, scales)
 
 
-# Loop shapes that vectorize (measured on dev-2c, AVX-512, one thread, 1536 x 576 Q8 rows):
-# - dots: one flat loop over D with the scale folded in per element, s[d >> 5] (16 GB/s); a loop
-#   over blocks with a reduction per block of 32 was 10x slower (horizontal adds every 32 values).
-# - the down axpy acc[d] += a * s * q[d]: numba cannot tell LLVM that acc, q and s do not alias, so
-#   the store blocks vectorization unless LLVM can emit runtime overlap checks: a loop over blocks
-#   whose inner trip count is a *runtime* value (`block`, always Q8_BLOCK) vectorizes (78 us); with
-#   the constant 32 LLVM unrolls it fully and then cannot vectorize (334 us); the flat loop with
-#   s[d >> 5] is not vectorized at all (502 us). So the kernels take `block` as an argument.
+# Loop shapes that vectorize:
+# - dots: one flat loop over D with the scale folded in per element, s[d >> 5]; a loop over
+#   blocks with a reduction per block of 32 is much slower (horizontal adds every 32 values).
+# - the down axpy acc[d] += a * s * q[d]: numba cannot tell LLVM that acc, q and s do not alias,
+#   so it vectorizes only behind runtime overlap checks, which LLVM emits for a loop over blocks
+#   whose inner trip count is a *runtime* value (`block`, always Q8_BLOCK), not for the constant
+#   32 (unrolled fully) nor for the flat loop. So the kernels take `block` as an argument.
 _Q8_SHIFT = 5
 assert Q8_BLOCK == 1 << _Q8_SHIFT
 

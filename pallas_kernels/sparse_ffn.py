@@ -1,6 +1,6 @@
 """Gather-based sparse FFN over the device-resident hot neurons (Pallas).
 
-For the active hot neurons `i` of one layer (../shared/DESIGN.md section 1, "Online"):
+For the active hot neurons `i` of one layer (PowerInfer's per-token step, arXiv 2312.12456):
 
   y[b, :] = sum_i act(gate_i . x[b], up_i . x[b]) * down_i
 

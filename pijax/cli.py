@@ -46,8 +46,58 @@ def config_value(holder):
   return value
 
 
-def run(main: Callable[[list[str]], None], prog: str) -> None:
-  """absl.app.run with flag errors and PijaxError turned into one line + exit 2."""
+def check_max_seq_len(value, where: str = "--max_seq_len") -> None:
+  """Refuses a KV cache length (tokens) below 1 given on a command line or in a config file.
+
+  `pijax.load(max_seq_len=0)` means "the model's whole context"; on a command line 0 or a
+  negative value is a slip, so it raises here (before any model loads) instead.
+
+  Raises:
+    ConfigError: naming `where` (the flag, or the config field).
+  """
+  from pijax.errors import ConfigError
+  if value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ConfigError(f"{where}={value!r} must be a positive number of tokens (the KV cache "
+                      "length, e.g. 2048).")
+
+
+def define_config_file(name: str, help_string: str, **kwargs):
+  """`config_flags.DEFINE_config_file(name, None, ...)` that leaves flag-file errors to `run`.
+
+  ml_collections expands every --flagfile of sys.argv when the flag is *defined* (to see
+  whether --config was given), so an unreadable flag file would raise at import time, before
+  `run` can turn it into one line. Here such a file is skipped at definition; `run` parses
+  sys.argv again and reports it.
+  """
+  from absl import flags
+  from ml_collections import config_flags
+  try:
+    return config_flags.DEFINE_config_file(name, None, help_string, **kwargs)
+  except (flags.Error, OSError, UnicodeDecodeError):
+    # The failed definition registered nothing. The parse in `run` fails on the same flag
+    # file before this flag is parsed, so its argv here only decides the default.
+    return config_flags.DEFINE_config_file(name, None, help_string, sys_argv=sys.argv[:1],
+                                           **kwargs)
+
+
+def _flagfile_error(err: object) -> str:
+  """One-line message for a --flagfile that cannot be opened or read."""
+  detail = " ".join(str(err).split())
+  for prefix in ("ERROR::", "Unable to open flagfile:"):
+    detail = detail[len(prefix):].strip() if detail.startswith(prefix) else detail
+  return (f"cannot read --flagfile ({detail}); pass an existing text file of --flag=value "
+          "lines.")
+
+
+def run(main: Callable[[list[str]], None], prog: str, *,
+        args_hint: str = "give every value as --flag=value (see --helpfull)") -> None:
+  """absl.app.run with flag errors and PijaxError turned into one line + exit 2.
+
+  Positional arguments are refused (`args_hint` says what to do instead): every pijax CLI
+  takes flags only, and a stray word would otherwise be ignored in silence.
+  """
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   try:  # Generated text is UTF-8 whatever the locale says.
     sys.stdout.reconfigure(encoding="utf-8", errors="replace")
@@ -58,6 +108,12 @@ def run(main: Callable[[list[str]], None], prog: str) -> None:
   def parse_flags(argv: list[str]) -> list[str]:
     try:
       return flags.FLAGS(argv)
+    except flags.CantOpenFlagFileError as err:
+      fail(prog, _flagfile_error(err))
+    except UnicodeDecodeError as err:
+      if any(a.lstrip("-").startswith("flagfile") for a in argv[1:]):
+        fail(prog, _flagfile_error(f"not UTF-8 text: {err}"))
+      fail(prog, "bad flags: " + " ".join(f"{type(err).__name__}: {err}".split()))
     except flags.Error as err:
       fail(prog, " ".join(f"{err} (see --helpfull)".split()))
     except Exception as err:  # Flag files that cannot be read or decoded, broken configs.
@@ -70,6 +126,8 @@ def run(main: Callable[[list[str]], None], prog: str) -> None:
     if not flags.FLAGS["verbosity"].present:  # orbax logs every step at INFO; -v 0 shows it.
       absl_logging.set_verbosity(absl_logging.WARNING)
     try:
+      if len(argv) > 1:
+        fail(prog, f"unexpected arguments {argv[1:]}; {args_hint}.")
       main(argv)
     except PijaxError as err:
       fail(prog, " ".join(str(err).split()))

@@ -31,7 +31,9 @@ from pijax.errors import ConfigError
 from pijax.profile import Profile, profile_model
 from pijax.train_predictors import DEFAULT_RANKS, train_predictors
 
-PREDICTOR_BUDGET_FRACTION = 0.05  # Predictor bytes <= 5% of FFN bytes (../shared/DESIGN.md §5).
+# Target: predictor bytes <= 5% of FFN bytes (they are read every token); the manifest notes
+# a bundle over it.
+PREDICTOR_BUDGET_FRACTION = 0.05
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -227,6 +229,45 @@ def _fmt(x) -> str:
   return "-" if x is None else f"{x:.3f}"
 
 
+def _check_options(opts: ConvertOptions, given) -> None:
+  """Refuses option values that would otherwise fail only after minutes of profiling.
+
+  given(name): whether the value came from the flag (else from the --config file).
+  """
+  from pijax import cli
+
+  def where(name: str) -> str:
+    return f"--{name}" if given(name) else f"--config field {name}"
+
+  cli.check_max_seq_len(opts.max_seq_len, where("max_seq_len"))
+  checks = (
+      ("target_sparsity", lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
+      ("recall_target", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
+      ("hot_ratio", lambda v: v is None or 0.0 <= v <= 1.0, "must be in [0, 1]"),
+      ("tile", lambda v: v >= 1, "must be >= 1"),
+      ("max_tokens", lambda v: v >= 1, "must be >= 1"),
+      ("chunk_len", lambda v: 8 <= v <= opts.max_seq_len,
+       f"must be in [8, max_seq_len={opts.max_seq_len}]"),
+      ("epochs", lambda v: v >= 1, "must be >= 1"),
+      ("predictor_weighting", lambda v: v in ("count", "contribution"),
+       "must be count or contribution"),
+      ("device_dtype", lambda v: v in _DTYPE_BYTES,
+       f"must be one of {', '.join(sorted(_DTYPE_BYTES))}"),
+  )
+  for name, valid, what in checks:
+    value = getattr(opts, name)
+    try:
+      ok = bool(valid(value))
+    except TypeError:  # A config field of the wrong type.
+      ok = False
+    if not ok:
+      raise ConfigError(f"{where(name)}={value!r} {what}.")
+  if opts.device_budget_bytes is None and opts.hot_ratio is None:
+    raise ConfigError("pass --device_budget_gb (or --hot_ratio) so neurons can be placed.")
+  if os.path.exists(opts.out) and not opts.overwrite:
+    raise ConfigError(f"{opts.out} already exists; choose another --out or pass --overwrite.")
+
+
 def main(argv: list[str]) -> None:
   from absl import flags
   import pijax
@@ -249,7 +290,7 @@ def main(argv: list[str]) -> None:
   if not out or not calibration:
     raise ConfigError("--out and --calibration are required.")
   budget_gb = pick("device_budget_gb")
-  if budget_gb is not None and not budget_gb > 0:
+  if budget_gb is not None and not (isinstance(budget_gb, (int, float)) and budget_gb > 0):
     raise ConfigError(f"--device_budget_gb={budget_gb} must be > 0.")
   opts = ConvertOptions(
       calibration=calibration, out=out,
@@ -264,10 +305,8 @@ def main(argv: list[str]) -> None:
       workdir=pick("workdir"), keep_workdir=f.keep_workdir, overwrite=f.overwrite)
   if not os.path.isfile(opts.calibration):
     raise ConfigError(f"{opts.calibration}: no such calibration text file.")
-  if not 0.0 <= opts.target_sparsity < 1.0:
-    raise ConfigError(f"--target_sparsity={opts.target_sparsity} must be in [0, 1).")
-  if not 0.0 < opts.recall_target <= 1.0:
-    raise ConfigError(f"--recall_target={opts.recall_target} must be in (0, 1].")
+  _check_options(opts, given=lambda name: getattr(f, name) is not None
+                 or cfg is None or name not in cfg)
   model = pijax.load(pick("model", "default"), max_seq_len=opts.max_seq_len)
   manifest = convert(model, opts)
   sys.stderr.write(format_table(manifest) + "\n")
@@ -276,10 +315,8 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   from absl import flags
-  from ml_collections import config_flags
   from pijax import cli
-  _CONFIG = config_flags.DEFINE_config_file("config", None, "Optional convert config file.",
-                                            lock_config=False)
+  _CONFIG = cli.define_config_file("config", "Optional convert config file.", lock_config=False)
   flags.DEFINE_string("model", None, "GGUF path or 'default'.")
   flags.DEFINE_string("out", None, "Bundle folder to write.")
   flags.DEFINE_string("calibration", None, "Calibration text file (UTF-8).")

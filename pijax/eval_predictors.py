@@ -107,18 +107,22 @@ def format_table(rows: list[dict[str, float]], manifest: dict[str, Any],
 
 def main(argv: list[str]) -> None:
   del argv
+  import math
   from absl import flags
   import pijax
   f = flags.FLAGS
   if f.max_tokens < 1 or f.chunk_len < 8:
     raise ConfigError(f"--max_tokens={f.max_tokens} must be >= 1 and --chunk_len={f.chunk_len} "
                       ">= 8.")
-  model = pijax.load(f.model, max_seq_len=max(f.chunk_len, 16))
+  if not (math.isfinite(f.threshold_scale) and f.threshold_scale >= 0):
+    raise ConfigError(f"--threshold_scale={f.threshold_scale} must be a finite number >= 0 "
+                      "(1 = the calibrated thresholds).")
   try:
     with open(f.text, encoding="utf-8") as fh:
       text = fh.read()
   except (OSError, UnicodeDecodeError) as err:
     raise ConfigError(f"{f.text}: cannot read text ({err}).") from None
+  model = pijax.load(f.model, max_seq_len=max(f.chunk_len, 16))
   kind = f.predictor_kind
   if kind == "auto":
     from pijax import hybrid

@@ -10,14 +10,12 @@ from __future__ import annotations
 import sys
 
 from absl import flags, logging
-from ml_collections import config_flags
 
 from pijax import cli
 from pijax import sparse_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "ml_collections config file (e.g. configs/smollm2_135m.py).",
-    lock_config=False)
+_CONFIG = cli.define_config_file(
+    "config", "ml_collections config file (e.g. configs/smollm2_135m.py).", lock_config=False)
 _MODEL = flags.DEFINE_string("model", None, "GGUF path or 'default'; overrides config.model.")
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Tokens to generate at most.")
@@ -84,6 +82,9 @@ def main(argv: list[str]) -> None:
   max_new_tokens = _pick(_MAX_NEW, cfg.max_new_tokens)
   if max_new_tokens < 0:
     raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 0.")
+  max_seq_len = _pick(_MAX_SEQ_LEN, cfg.max_seq_len)
+  cli.check_max_seq_len(max_seq_len, "--max_seq_len" if _MAX_SEQ_LEN.value is not None
+                        else "--config field max_seq_len")
   sampling_kwargs = dict(
       temperature=_pick(_TEMPERATURE, sampling.temperature),
       top_k=_pick(_TOP_K, sampling.top_k),
@@ -91,8 +92,9 @@ def main(argv: list[str]) -> None:
       min_p=_pick(_MIN_P, sampling.min_p),
       repeat_penalty=_pick(_REPEAT_PENALTY, sampling.repeat_penalty))
   make_sampling_params(**sampling_kwargs)  # Fail on bad values before loading the model.
+  sparse_flags.check(cfg)
   model = pijax.load(_pick(_MODEL, cfg.model), dtype=_pick(_DTYPE, cfg.dtype),
-                     max_seq_len=_pick(_MAX_SEQ_LEN, cfg.max_seq_len),
+                     max_seq_len=max_seq_len,
                      ffn_activation=cfg.get("ffn_activation", None) or None)
   logging.debug("loaded %s in %.2f s", model.path, model.load_s)
   sparse_flags.configure(model, cfg)
@@ -114,4 +116,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  cli.run(main, "pijax.generate")
+  cli.run(main, "pijax.generate", args_hint="pass the prompt with --prompt")

@@ -146,6 +146,19 @@ def main(argv: list[str]) -> None:
   f = flags.FLAGS
   if not f.file:
     raise ConfigError("-f FILE is required.")
+  if f.ctx_size < 2 or f.ctx_size % 2:
+    raise ConfigError(f"-c {f.ctx_size} must be even and >= 2 (tokens per chunk).")
+  if f.chunks < 0:
+    raise ConfigError(f"--chunks {f.chunks} must be >= 0 (0 = every chunk).")
+  if f.kl_divergence and not f.kl_divergence_base:
+    raise ConfigError("--kl_divergence needs --kl_divergence_base=FILE, written by a reference "
+                      "run without --kl_divergence.")
+  if f.kl_divergence_base and not f.kl_divergence:
+    folder = os.path.dirname(os.path.abspath(f.kl_divergence_base))
+    if not os.path.isdir(folder):
+      raise ConfigError(f"--kl_divergence_base={f.kl_divergence_base}: no folder {folder} to "
+                        "write it in.")
+  sparse_flags.check()  # --hot_ratio etc.: refused before the load, even for a plain GGUF.
   try:
     with open(f.file, encoding="utf-8") as fh:
       text = fh.read()

@@ -1,8 +1,8 @@
 """Per-layer FFN activation predictors (Deja Vu / PowerInfer style) with an adaptive rank.
 
 One predictor per FFN layer guesses, before the FFN runs, which of its F neurons will be
-active for a token, so the engine reads only those neurons' weights (../shared/DESIGN.md §1,
-"Predictors"). It is a two-layer bias-free MLP
+active for a token, so the engine reads only those neurons' weights. It is a two-layer
+bias-free MLP
 
     logits = fc2(relu(fc1(x_hat)))        fc1: f32[D, r], fc2: f32[r, F]
 
@@ -198,8 +198,8 @@ class LayerPredictor:
 def _weighted_bce(params: dict, x_hat: jax.Array, y: jax.Array, pos_weight: jax.Array):
   """Mean over [B, F] of pos_weight * y * softplus(-z) + (1 - y) * softplus(z).
 
-  Written with one softplus, via softplus(-z) = softplus(z) - z: the elementwise loss over
-  [B, F] costs as much as the matmuls on CPU, and this form trains ~1.6x faster.
+  Written with one softplus, via softplus(-z) = softplus(z) - z: on CPU the elementwise loss
+  over [B, F] costs as much as the matmuls, so one softplus instead of two trains faster.
   """
   # [B, F] logits and targets.
   z = _logits_from_normalized(params, x_hat)
@@ -513,16 +513,13 @@ def _finish(params, rank, cut, val, x_te, y_te, ladder) -> LayerPredictor:
 # ----------------------------------------------------------------------------------------
 # Low-bit pre-activation predictor (SwiGLU / GeGLU).
 #
-# Measured on SmolLM2-135M (BUILD_NOTES.md, issue 4): which SwiGLU neurons matter for a
-# token is a high-rank function of its input. A rank-128 linear estimate of gate x and up x
-# (reduced-rank regression on calibration inputs) left a relative FFN-output error of
-# 0.28-0.35 when skipping 30% of the neurons, against 0.53 for a random choice and 0.03-0.05
-# for the exact contribution; the rank 16-64 MLP predictors above skipped only 9% of the
-# neurons on WikiText at +22% perplexity. A 4-bit copy of the gate and up rows (Q4_0-like:
-# blocks of 32 values, one f16 scale each) estimates every neuron's contribution
-# |act(gate x) * (up x)| closely enough to skip 49% of the neurons at +4.0% perplexity.
-# It costs 4.5 bits per gate/up weight: 9.4% of the f32 FFN bytes (the MLP budget of
-# ../shared/DESIGN.md §5 is 5%), read on every token.
+# Which SwiGLU neurons matter for a token is a high-rank function of its input: low-rank
+# estimates and the MLP predictors above skip few neurons at a high perplexity cost, while a
+# 4-bit copy of the gate and up rows (Q4_0-like: blocks of 32 values, one f16 scale each)
+# estimates each neuron's contribution |act(gate x) * (up x)| well enough to skip about half
+# of them (BUILD_NOTES.md, issue 4). It costs 4.5 bits per gate/up weight, 9.4% of the f32 FFN
+# bytes (the predictor budget, `pijax.convert.PREDICTOR_BUDGET_FRACTION`, is 5%), read on
+# every token.
 
 LOWBIT_BLOCK = 32  # Values per scale block along the hidden axis.
 LOWBIT_QMAX = 7  # Symmetric 4-bit codes in [-7, 7], stored as code + 8 in one nibble.

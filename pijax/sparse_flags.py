@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -57,6 +58,51 @@ CALIBRATION_FILE = flags.DEFINE_string("calibration_file", None, "Text to calibr
                                        "--gate_sparse cuts on (not the evaluation text).")
 
 
+def _number(value) -> bool:
+  """An int or float that is not NaN (infinities allowed)."""
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _finite(value) -> bool:
+  return _number(value) and math.isfinite(value)
+
+
+def check(cfg: Any = None) -> None:
+  """Checks the ranges of these flags (falling back to the config's fields), model-free.
+
+  Called before a model loads, so a bad value fails in a second, and on a plain GGUF (where
+  `configure` ignores the placement flags) it fails instead of being silently ignored.
+
+  Raises:
+    ConfigError: naming the first bad flag.
+  """
+  from pijax.errors import ConfigError
+  get = (lambda name: None) if cfg is None else (lambda name: cfg.get(name, None))
+
+  def pick(flag, name):
+    return flag.value if flag.value is not None else get(name)
+
+  rules = (  # flag, config field, valid, what it must be.
+      (HOT_RATIO, "hot_ratio", lambda v: _finite(v) and 0 <= v <= 1, "a fraction in [0, 1]"),
+      (DEVICE_BUDGET_GB, "device_budget_gb", lambda v: _finite(v) and v > 0,
+       "a finite number of GB > 0 (GB = 1e9 bytes)"),
+      (HOST_THREADS, "host_threads", lambda v: isinstance(v, int) and v >= 1, ">= 1"),
+      (ORACLE_THRESHOLD, "oracle_threshold", lambda v: _number(v) and v >= 0,
+       "a number >= 0 (0 = every neuron active)"),
+      (THRESHOLD_SCALE, None, lambda v: _finite(v) and v >= 0,
+       "a finite number >= 0 (1 = the calibrated thresholds)"),
+      (CUT_OFFSET, None, _number, "a number (0 = the calibrated cuts)"),
+      (PREFILL_DENSE_TOKENS, "prefill_dense_tokens", lambda v: isinstance(v, int) and v >= 0,
+       ">= 0 (0 = never)"),
+      (GATE_SPARSITY, "gate_sparsity", lambda v: _finite(v) and 0 <= v < 1,
+       "a fraction in [0, 1)"),
+  )
+  for flag, name, valid, what in rules:
+    value = flag.value if name is None else pick(flag, name)
+    if value is not None and not valid(value):
+      raise ConfigError(f"--{flag.name}={value} must be {what}.")
+
+
 def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> None:
   """Applies the flags (falling back to the config's fields) to a loaded model.
 
@@ -67,6 +113,7 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
   Raises:
     ConfigError, BudgetError: see `pijax.engine.Model.configure_sparse`.
   """
+  check(cfg)
   get = (lambda name: None) if cfg is None else (lambda name: cfg.get(name, None))
 
   def pick(flag, name):

@@ -115,11 +115,18 @@ def main(argv):
   from absl import flags
   import pijax
   from pijax import cli
+  from pijax.errors import ConfigError
   f = flags.FLAGS
+  cli.check_max_seq_len(f.max_seq_len)
+  ranks = cli.parse_ints(f.ranks, "ranks")
+  if f.epochs < 1:
+    raise ConfigError(f"--epochs={f.epochs} must be >= 1.")
+  if not 0.0 < f.recall_target <= 1.0:
+    raise ConfigError(f"--recall_target={f.recall_target} must be in (0, 1].")
+  prof = Profile.load(f.profile)  # Before the model: a wrong --profile fails at once.
   model = pijax.load(f.model, max_seq_len=f.max_seq_len)
-  prof = Profile.load(f.profile)
-  preds = train_predictors(model, prof, ranks=cli.parse_ints(f.ranks, "ranks"),
-                           recall_target=f.recall_target, epochs=f.epochs)
+  preds = train_predictors(model, prof, ranks=ranks, recall_target=f.recall_target,
+                           epochs=f.epochs)
   save_predictors(f.profile, preds)
 
 

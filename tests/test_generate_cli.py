@@ -183,3 +183,99 @@ def test_generate_sparse_predictor_cli(converted):
               "--max_new_tokens=4", "--hot_ratio=0.3", "--sparse=oracle")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "every FFN neuron on the host" not in proc.stderr
+
+
+# Every pijax CLI: flag errors give one line `<prog>: error: ...` and exit 2, before any model
+# loads (the commands below name a model file that does not exist, so a check that ran after
+# the load would report that file instead).
+_CLIS = ("generate", "bench", "perplexity", "convert", "profile", "train_predictors", "place",
+         "eval_predictors", "bench_compare")
+
+
+def _run_cli(cli, *args, timeout=300):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", f"pijax.{cli}", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def _assert_cli_refused(proc, cli, *needles):
+  _assert_one_line_error(proc, *needles)
+  assert proc.stderr.startswith(f"pijax.{cli}: error: "), proc.stderr
+
+
+@pytest.mark.parametrize("cli", _CLIS)
+def test_missing_flagfile(cli, tmp_path):
+  missing = str(tmp_path / "missing.flags")
+  _assert_cli_refused(_run_cli(cli, f"--flagfile={missing}"), cli, "--flagfile", missing)
+
+
+@pytest.mark.parametrize("flagfile", ["folder", "binary"])
+def test_unreadable_flagfile(flagfile, tmp_path):
+  path = tmp_path / "flags"
+  if flagfile == "folder":
+    path.mkdir()
+  else:
+    path.write_bytes(b"--prompt=\xff\xfe\n")
+  _assert_cli_refused(_run(f"--flagfile={path}", "--prompt=hi"), "generate", "--flagfile")
+
+
+# The CLIs that take --max_seq_len (the KV cache length), with their other required flags.
+_MAX_SEQ_LEN_CLIS = {
+    "generate": [CONFIG, "--prompt=hi", "--model={tmp}/missing.gguf"],
+    "convert": ["--out={tmp}/bundle", "--calibration=README.md", "--device_budget_gb=0.5",
+                "--model={tmp}/missing.gguf"],
+    "train_predictors": ["--profile={tmp}", "--model={tmp}/missing.gguf"],
+    "place": ["--profile={tmp}/profile.npz", "--out={tmp}/placement.json",
+              "--device_budget_gb=0.5", "--model={tmp}/missing.gguf"],
+}
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+@pytest.mark.parametrize("cli", sorted(_MAX_SEQ_LEN_CLIS))
+def test_max_seq_len_must_be_positive(cli, value, tmp_path):
+  args = [a.format(tmp=tmp_path) for a in _MAX_SEQ_LEN_CLIS[cli]]
+  _assert_cli_refused(_run_cli(cli, *args, f"--max_seq_len={value}"), cli,
+                      f"--max_seq_len={value}")
+
+
+def test_max_seq_len_zero_in_flagfile_or_config(tmp_path):
+  flagfile = tmp_path / "flags"
+  flagfile.write_text("--max_seq_len=0\n")
+  _assert_cli_refused(_run(CONFIG, "--prompt=hi", f"--flagfile={flagfile}"), "generate",
+                      "--max_seq_len=0")
+  for cli, name, extra in [("generate", "smollm2_135m.py", ["--prompt=hi"]),
+                           ("convert", "smollm2_135m_convert.py",
+                            ["--calibration=README.md", f"--out={tmp_path}/bundle"])]:
+    text = (ROOT / "configs" / name).read_text()
+    assert "config.max_seq_len = 2048" in text
+    cfg = tmp_path / name
+    cfg.write_text(text.replace("config.max_seq_len = 2048", "config.max_seq_len = 0"))
+    _assert_cli_refused(_run_cli(cli, f"--config={cfg}", *extra,
+                                 f"--model={tmp_path}/missing.gguf"),
+                        cli, "--config field max_seq_len=0")
+
+
+@pytest.mark.parametrize("cli,args,needle", [
+    ("generate", [CONFIG, "--prompt=hi", "--hot_ratio=2"], "--hot_ratio=2"),
+    ("generate", [CONFIG, "--prompt=hi", "--prefill_dense_tokens=-1"],
+     "--prefill_dense_tokens=-1"),
+    ("generate", [CONFIG, "--prompt=hi", "hello"], "'hello'"),
+    ("bench", ["-m", "{tmp}/missing.gguf", "--hot_ratio=-0.5"], "--hot_ratio=-0.5"),
+    ("bench", ["-m", "{tmp}/missing.gguf", "stray"], "'stray'"),
+    ("perplexity", ["-m", "{tmp}/missing.gguf", "-f", "README.md", "--kl_divergence"],
+     "--kl_divergence_base"),
+    ("perplexity", ["-m", "{tmp}/missing.gguf", "-f", "README.md", "-c", "3"], "-c 3"),
+    ("perplexity", ["-m", "{tmp}/missing.gguf", "-f", "README.md",
+                    "--kl_divergence_base={tmp}/no/such/folder/base.npy"], "--kl_divergence_base"),
+    ("convert", ["--out={tmp}/b", "--calibration=README.md", "--model={tmp}/missing.gguf",
+                 "--hot_ratio=2"], "--hot_ratio=2"),
+    ("convert", ["--out={tmp}/b", "--calibration=README.md", "--model={tmp}/missing.gguf",
+                 "--device_budget_gb=0.5", "--tile=0"], "--tile=0"),
+    ("train_predictors", ["--profile={tmp}", "--model={tmp}/missing.gguf", "--epochs=0"],
+     "--epochs=0"),
+    ("eval_predictors", ["--model={tmp}/missing", "--text=README.md", "--threshold_scale=-1"],
+     "--threshold_scale=-1"),
+])
+def test_bad_values_refused_before_load(cli, args, needle, tmp_path):
+  args = [a.format(tmp=tmp_path) for a in args]
+  _assert_cli_refused(_run_cli(cli, *args), cli, needle)
