@@ -407,7 +407,7 @@ class HostDecoder:
     return _rms_norm_kernel(x, scale, self.eps)
 
   def _rope_tables(self, pos: int, t: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin: f32[t, R/2] for positions pos + [0, t) (RoFormer §3.4; as pijax.model)."""
+    """cos, sin: f32[t, R/2] for positions pos + [0, t) (RoFormer §3.4; as pijax.nn.transformer)."""
     half = self.rope_dim // 2
     inv_freq = np.float32(self.rope_theta) ** (
         -np.arange(half, dtype=np.float32) * np.float32(2.0) / np.float32(self.rope_dim))

@@ -1,6 +1,6 @@
 """Cold neurons with the low-bit predictor on the host: predict and compute in one pass (numba).
 
-The low-bit predictor (`pijax.predictor`, "Low-bit pre-activation predictor") estimates each
+The low-bit predictor (`pijax.offline.predictor`, "Low-bit pre-activation predictor") estimates each
 neuron's contribution |act(g) * u| from a 4-bit copy of its gate and up rows (blocks of 32
 values, one scale each; two codes per byte, code = q + 8, the even column in the low nibble).
 On a CPU-only run the XLA side cannot read 4-bit codes fast (XLA CPU does not fuse an integer

@@ -13,10 +13,10 @@ _EXPORTS = {
     "load": "pijax.engine",
     "Model": "pijax.engine",
     "GenerationResult": "pijax.generation",
-    "KVCache": "pijax.model",
-    "init_cache": "pijax.model",
-    "prefill": "pijax.model",
-    "decode_step": "pijax.model",
+    "KVCache": "pijax.nn.transformer",
+    "init_cache": "pijax.nn.transformer",
+    "prefill": "pijax.nn.transformer",
+    "decode_step": "pijax.nn.transformer",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,7 +7,7 @@
 
 Stages (each also its own CLI): pijax.profile -> pijax.train_predictors -> pijax.place, then
 neurons are permuted by descending activation frequency and the bundle is written atomically
-(see pijax.bundle). The intermediate workdir (FFN inputs on disk) is deleted afterwards
+(see pijax.formats.bundle). The intermediate workdir (FFN inputs on disk) is deleted afterwards
 unless --keep_workdir.
 """
 
@@ -23,10 +23,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pijax import bundle as bundle_lib
+from pijax.formats import bundle as bundle_lib
 from pijax import config as config_lib
-from pijax import placement as placement_lib
-from pijax import predictor as predictor_lib
+from pijax.offline import placement as placement_lib
+from pijax.offline import predictor as predictor_lib
 from pijax.errors import ConfigError
 from pijax.profile import Profile, profile_model
 from pijax.train_predictors import DEFAULT_RANKS, train_predictors
@@ -142,7 +142,7 @@ def build_manifest(model, opts: ConvertOptions, prof: Profile,
                    preds: list[predictor_lib.LayerPredictor],
                    placement: placement_lib.Placement, ffn_layer_bytes: int,
                    timing: dict[str, float]) -> dict[str, Any]:
-  """manifest.json contents (see pijax.bundle)."""
+  """manifest.json contents (see pijax.formats.bundle)."""
   from pijax.profile import file_sha256
   cfg = model.config
   family_to_activation = {v: k for k, v in config_lib.ACTIVATION_TO_FAMILY.items()}

@@ -27,9 +27,9 @@ from pijax.backends import base as backend_lib
 from pijax.backends import xla as xla_backend
 from pijax.errors import ConfigError, ContextError
 from pijax.generation import STOP_EOS, STOP_LENGTH, GenerationResult, GenerationStats, Stream
-from pijax.gguf_io import default_model_path
-from pijax.loader import load_gguf, numpy_dtype
-from pijax.tokenizer import Tokenizer
+from pijax.formats.gguf import default_model_path
+from pijax.formats.loader import load_gguf, numpy_dtype
+from pijax.text.tokenizer import Tokenizer
 
 PREFILL_CHUNK = 512  # Longer prompts are prefilled in chunks of this many tokens.
 MIN_PREFILL_BUCKET = 16  # Prompt chunks are padded to a power of two >= this.
@@ -95,13 +95,13 @@ class Model:
 
   Attributes:
     config: ModelConfig.
-    params: the dense param tree (`pijax.loader.load_gguf`; a bundle's permuted FFN rows).
-    tokenizer: pijax.tokenizer.Tokenizer built from the GGUF metadata.
+    params: the dense param tree (`pijax.formats.loader.load_gguf`; a bundle's permuted FFN rows).
+    tokenizer: pijax.text.tokenizer.Tokenizer built from the GGUF metadata.
     metadata: GGUF key/values.
     max_seq_len: KV cache length in tokens (prompt + generation must fit).
     path: the model file (or bundle folder).
     load_s: seconds spent in `load`.
-    sparse: pijax.bundle.SparseBundle when loaded from a converted bundle, else None.
+    sparse: pijax.formats.bundle.SparseBundle when loaded from a converted bundle, else None.
     backend: the `pijax.backends.base.Backend` that runs it (dense XLA after `load`).
   """
 
@@ -156,7 +156,7 @@ class Model:
 
   def replace(self, *, hot_ratio: float | None = None,
               device_budget_gb: float | None = None) -> list[int]:
-    """Per-layer hot counts re-placed from the bundle's frequencies (`pijax.placement`)."""
+    """Per-layer hot counts re-placed from the bundle's frequencies (`pijax.offline.placement`)."""
     from pijax.backends import hybrid
     return hybrid.replace_counts(self, hot_ratio=hot_ratio, device_budget_gb=device_budget_gb)
 
@@ -218,7 +218,7 @@ class Model:
         raise ContextError(f"the prompt is not valid UTF-8 text ({err.reason} at character "
                            f"{err.start}); pass UTF-8 text.") from None
       if chat:
-        from pijax.chat import encode_chat
+        from pijax.text.chat import encode_chat
         if not self.tokenizer.chat_template:
           raise ConfigError(f"{self.path}: the model has no chat template "
                             "(tokenizer.chat_template); run without --chat.")
@@ -458,7 +458,7 @@ def load(path_or_default: str | os.PathLike[str] = "default", *, dtype: str = "f
     TokenizerError: unsupported tokenizer metadata.
     ConfigError: bad dtype or max_seq_len.
   """
-  from pijax import bundle as bundle_lib
+  from pijax.formats import bundle as bundle_lib
   start = time.perf_counter()
   if bundle_lib.is_bundle(path_or_default):
     bundle, src, activation = bundle_lib.open_bundle(os.fspath(path_or_default))

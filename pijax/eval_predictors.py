@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from pijax import model as model_lib
-from pijax import predictor as predictor_lib
+from pijax.nn import transformer as model_lib
+from pijax.offline import predictor as predictor_lib
 from pijax.errors import ConfigError
 from pijax.profile import layer_active
 
@@ -31,7 +31,7 @@ def evaluate_predictors(model, text: str, *, max_tokens: int = 8192, chunk_len: 
 
   predictor_kind: "mlp" (the bundle's trained predictors at their cuts) or "lowbit" (the 4-bit
   gate/up estimate at cut = threshold_scale x the layer's contribution threshold; see
-  `pijax.predictor`). The true active sets always use the unscaled thresholds.
+  `pijax.offline.predictor`). The true active sets always use the unscaled thresholds.
 
   Raises:
     ConfigError: the model is not a bundle, or the text is shorter than one chunk.
@@ -50,7 +50,7 @@ def evaluate_predictors(model, text: str, *, max_tokens: int = 8192, chunk_len: 
     raise ConfigError(f"only {len(ids)} tokens to evaluate (text and --max_tokens), fewer than "
                       f"one chunk ({chunk_len}); give more text or a smaller --chunk_len.")
   if predictor_kind == "auto":
-    from pijax import hybrid
+    from pijax.nn import hybrid
     predictor_kind = hybrid.default_predictor_kind(cfg.ffn_family)
   if predictor_kind not in predictor_lib.PREDICTOR_KINDS:
     raise ConfigError(f"--predictor_kind={predictor_kind!r} must be auto, mlp or lowbit.")
@@ -125,7 +125,7 @@ def main(argv: list[str]) -> None:
   model = pijax.load(f.model, max_seq_len=max(f.chunk_len, 16))
   kind = f.predictor_kind
   if kind == "auto":
-    from pijax import hybrid
+    from pijax.nn import hybrid
     kind = hybrid.default_predictor_kind(model.config.ffn_family)
   rows = evaluate_predictors(model, text, max_tokens=f.max_tokens, chunk_len=f.chunk_len,
                              predictor_kind=kind, threshold_scale=f.threshold_scale)

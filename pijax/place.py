@@ -1,7 +1,7 @@
 """`python -m pijax.place --profile=profile.npz --device_budget_gb=0.5 --out=placement.json`
 
 Chooses how many FFN neurons of each layer are hot (device-resident) from a profile of
-activation frequencies, writes the `pijax.placement.Placement` as JSON (atomically) and prints
+activation frequencies, writes the `pijax.offline.placement.Placement` as JSON (atomically) and prints
 a per-layer table on stderr. Reads only the model's metadata, never its weights. Bad input
 (missing profile, budget too small for the dense part, ...) gives one line on stderr and exit
 status 2.
@@ -61,7 +61,7 @@ def load_profile(path: str) -> np.ndarray:
 
 def load_config(model: str):
   """ModelConfig from a GGUF's metadata ('default' = the default model). Raises GGUFError."""
-  from pijax.gguf_io import default_model_path, open_gguf
+  from pijax.formats.gguf import default_model_path, open_gguf
   from pijax.arch.registry import config_from_metadata
   path = default_model_path() if model == "default" else model
   reader, metadata = open_gguf(path)
@@ -90,7 +90,7 @@ def write_json_atomic(path: str, payload: dict) -> None:
 
 def format_table(placement, frequencies: np.ndarray, layer_weights=None) -> str:
   """Per-layer table: hot count, share of the layer, share of its activations served."""
-  from pijax.placement import served
+  from pijax.offline.placement import served
   n_neurons = frequencies.shape[1]
   per_layer = served(frequencies, placement.hot_counts)
   totals = frequencies.astype(np.float64).sum(axis=1)
@@ -115,9 +115,9 @@ def format_table(placement, frequencies: np.ndarray, layer_weights=None) -> str:
 
 
 def main(argv: list[str]) -> None:
-  from pijax import placement as placement_lib
+  from pijax.offline import placement as placement_lib
   from pijax.errors import ConfigError
-  from pijax.loader import numpy_dtype
+  from pijax.formats.loader import numpy_dtype
   if len(argv) > 1:
     raise ConfigError(f"unexpected arguments {argv[1:]}; see --helpfull.")
   if not _PROFILE.value:

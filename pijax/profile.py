@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from pijax import model as model_lib
-from pijax import sparsity
+from pijax.nn import transformer as model_lib
+from pijax.nn import sparsity
 from pijax.arch.spec import ModelConfig
 from pijax.errors import ConfigError
 

@@ -1,7 +1,7 @@
 """Stage 3 of the offline compile: train every layer's activation predictor.
 
 Reads the profiler's workdir (FFN-block inputs + thresholds), recomputes each layer's true
-active sets from the recorded inputs, and trains `pijax.predictor.train_layer_predictor`
+active sets from the recorded inputs, and trains `pijax.offline.predictor.train_layer_predictor`
 (rank ladder, cut calibrated on the validation chunks, quality reported on the test chunks).
 Memory: one layer's inputs and active sets at a time (N * (D * 4 + F) bytes).
 
@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from pijax import predictor as predictor_lib
+from pijax.offline import predictor as predictor_lib
 from pijax.profile import Profile, layer_active, layer_contribution
 
 PREDICTORS_FILE = "predictors.npz"
@@ -36,7 +36,7 @@ def train_predictors(model, profile: Profile, *, ranks: Sequence[int] = DEFAULT_
 
   weighting: "count" calibrates each cut for recall_target of the active (token, neuron)
   pairs; "contribution" weights pairs by |a| / t_l in the loss and the cut (see
-  `pijax.predictor.train_layer_predictor`, argument `importance`).
+  `pijax.offline.predictor.train_layer_predictor`, argument `importance`).
   """
   from pijax.errors import ConfigError
   if weighting not in ("count", "contribution"):

@@ -13,7 +13,7 @@
 #   3. scripts/gpu_check_hybrid.py: pijax's hybrid step (Pallas hot part + numba cold part)
 #      vs the dense step, oracle mode at threshold 0 and with real thresholds, hot_ratio 0.3
 #      and 1.0, then decode tok/s for dense / oracle / predictor (pijax.bench, -n 32 -r 2).
-#      Model: PIJAX_BUNDLE, else PIJAX_GGUF, else pijax.gguf_io.default_model_path(), else a
+#      Model: PIJAX_BUNDLE, else PIJAX_GGUF, else pijax.formats.gguf.default_model_path(), else a
 #      random llama built in-process (the table's "hybrid model" row says which).
 # The last thing printed is a table (step | result | key number); exit 1 if any step failed.
 #

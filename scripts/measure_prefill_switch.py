@@ -17,7 +17,8 @@ import numpy as np
 from absl import flags
 
 import pijax
-from pijax import bench, hybrid
+from pijax import bench
+from pijax.nn import hybrid
 
 _MODEL = flags.DEFINE_string("model", None, "Bundle folder.", required=True)
 _HOT_RATIO = flags.DEFINE_float("hot_ratio", 0.3, "Device-resident share of each layer.")

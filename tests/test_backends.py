@@ -13,7 +13,7 @@ import pytest
 
 import pijax
 import tiny_models
-from pijax import bundle as bundle_lib
+from pijax.formats import bundle as bundle_lib
 from pijax import config as config_lib
 from pijax.arch import registry
 from pijax.backends import host as host_backend

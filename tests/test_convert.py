@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pijax
-from pijax import bundle as bundle_lib
+from pijax.formats import bundle as bundle_lib
 from pijax.errors import BundleError
 from pijax.profile import Profile, layer_active
 
@@ -77,7 +77,7 @@ def test_bundle_roundtrip_and_permutation_invariance(converted, smollm2, hf_toke
 
 def test_bundle_predictors_are_permuted_consistently(converted, smollm2):
   """Predictor outputs on a recorded input, mapped through perm, match the original order."""
-  from pijax import predictor as predictor_lib
+  from pijax.offline import predictor as predictor_lib
   from pijax.train_predictors import load_predictors
   opts, _ = converted
   tree = bundle_lib.read_checkpoint(opts.out)

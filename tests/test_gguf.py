@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pijax.errors import GGUFError
-from pijax.gguf_io import open_gguf
-from pijax.loader import dequantize, load_gguf
+from pijax.formats.gguf import open_gguf
+from pijax.formats.loader import dequantize, load_gguf
 
 import tiny_models
 

@@ -244,7 +244,7 @@ def test_prefetch_and_thread_count_do_not_change_math(layer, monkeypatch):
 @pytest.mark.parametrize("quantile", [0.0, 0.5, 0.9, 1.01])  # full, half, sparse, empty set
 def test_lowbit_predict_and_compute_matches_reference(family, quantile):
   from host_ops import lowbit
-  from pijax import predictor as P
+  from pijax.offline import predictor as P
   rng = np.random.default_rng(11)
   n, d, b = 200, 96, 3
   gate, up, down = (rng.normal(size=(n, d)).astype(np.float32) * 0.1 for _ in range(3))

@@ -80,7 +80,7 @@ def test_oracle_equals_dense_with_same_neurons_zeroed(bundle_model, prompt_ids, 
   """
   import jax
   import jax.numpy as jnp
-  from pijax import hybrid
+  from pijax.nn import hybrid
   bundle_model.configure_sparse("oracle", hot_ratio=hot_ratio)
   run = jax.jit(lambda p, t: hybrid.forward_with_masks(p, t, config=bundle_model.config,
                                                        sparse=bundle_model.backend.spec))
@@ -118,9 +118,9 @@ def test_lowbit_predictor_masks_and_logits(bundle_model, prompt_ids, hf_model, h
   neurons the predictor skipped."""
   import jax
   import jax.numpy as jnp
-  from pijax import hybrid
-  from pijax import model as model_lib
-  from pijax import predictor as predictor_lib
+  from pijax.nn import hybrid
+  from pijax.nn import transformer as model_lib
+  from pijax.offline import predictor as predictor_lib
   bundle_model.configure_sparse("predictor", hot_ratio=hot_ratio, predictor_kind="lowbit",
                                 host_predict=False)
   assert bundle_model.backend.spec.predictor_kind == "lowbit"

@@ -7,8 +7,8 @@ import pytest
 
 from pijax import config as config_lib
 from pijax.arch.spec import ModelConfig
-from pijax import model as model_lib
-from pijax.loader import load_gguf
+from pijax.nn import transformer as model_lib
+from pijax.formats.loader import load_gguf
 
 import tiny_models
 

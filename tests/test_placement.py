@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from pijax import placement as placement_lib
+from pijax.offline import placement as placement_lib
 from pijax.arch.spec import ModelConfig
 from pijax.errors import BudgetError, ConfigError
 

@@ -1,11 +1,11 @@
-"""Tests of pijax.predictor on synthetic data (fast: no model, no corpus)."""
+"""Tests of pijax.offline.predictor on synthetic data (fast: no model, no corpus)."""
 
 import math
 
 import numpy as np
 import pytest
 
-from pijax import predictor as pred
+from pijax.offline import predictor as pred
 from pijax.errors import ConfigError
 
 LADDER = (4, 8, 16, 32)
@@ -245,7 +245,7 @@ def test_bad_inputs_raise():
 
 
 def test_q4_quantization_round_trip_random():
-  from pijax import predictor as P
+  from pijax.offline import predictor as P
   rng = np.random.default_rng(3)
   rows = rng.standard_t(4, size=(37, 96)) * rng.uniform(0.01, 2.0, size=(37, 1))
   rows = rows.astype(np.float32)
@@ -264,7 +264,7 @@ def test_q4_quantization_round_trip_random():
 
 @pytest.mark.parametrize("family", ["swiglu", "reglu", "drelu"])
 def test_lowbit_contribution_matches_numpy_reference(family):
-  from pijax import predictor as P
+  from pijax.offline import predictor as P
   rng = np.random.default_rng(4)
   gate = rng.normal(size=(50, 64)).astype(np.float32)
   up = rng.normal(size=(50, 64)).astype(np.float32)
@@ -282,7 +282,7 @@ def test_lowbit_contribution_matches_numpy_reference(family):
 
 
 def test_lowbit_needs_hidden_multiple_of_block():
-  from pijax import predictor as P
+  from pijax.offline import predictor as P
   from pijax.errors import ConfigError
   with pytest.raises(ConfigError, match="divisible by 32"):
     P.quantize_rows_q4(np.ones((4, 40), np.float32))

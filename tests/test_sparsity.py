@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pijax import config as config_lib
-from pijax import sparsity
+from pijax.nn import sparsity
 
 GATE = jnp.asarray([[-2.0, -0.1, 0.0, 0.3, 1.5, 4.0]])
 UP = jnp.asarray([[1.0, -3.0, 2.0, -0.5, 0.0, 0.2]])

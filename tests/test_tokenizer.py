@@ -1,4 +1,4 @@
-"""Tests for pijax.tokenizer and pijax.chat.
+"""Tests for pijax.text.tokenizer and pijax.text.chat.
 
 Oracles: Hugging Face transformers' tokenizer built from the same GGUF (fixture `hf_tokenizer`) for
 the byte-level BPE path, and a SentencePiece model trained here (written to a GGUF) for the
@@ -12,9 +12,9 @@ import random
 import pytest
 import regex
 
-from pijax.chat import encode_chat, render_chat
+from pijax.text.chat import encode_chat, render_chat
 from pijax.errors import TokenizerError
-from pijax.tokenizer import Tokenizer
+from pijax.text.tokenizer import Tokenizer
 
 SMOLLM_TEMPLATE_SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
                           "trained by Hugging Face<|im_end|>\n")
@@ -277,7 +277,7 @@ def test_c3_empty_prompt_smollm(smol):
 
 def _tiny_bpe_metadata(**overrides):
   """A byte-level BPE vocabulary: 256 byte tokens, a few merges, 3 control + 1 user-defined."""
-  from pijax.tokenizer import _byte_level_alphabet
+  from pijax.text.tokenizer import _byte_level_alphabet
   alphabet = [_byte_level_alphabet()[b] for b in range(256)]
   specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
   merges = ["Ġ t", "h e", "Ġt he", "l l", "he ll", "hell o", "1 2"]
@@ -337,7 +337,7 @@ def test_bpe_errors(caplog):
     Tokenizer.from_metadata(_tiny_bpe_metadata(**{"tokenizer.ggml.token_type": [1, 1, 1]}))
   with pytest.raises(TokenizerError, match="eos_token_id=99999"):
     Tokenizer.from_metadata(_tiny_bpe_metadata(**{"tokenizer.ggml.eos_token_id": 99999}))
-  with caplog.at_level(logging.WARNING, logger="pijax.tokenizer"):
+  with caplog.at_level(logging.WARNING, logger="pijax.text.tokenizer"):
     tok = Tokenizer.from_metadata(_tiny_bpe_metadata(**{"tokenizer.ggml.pre": None}))
   assert tok.pre == "gpt2" and "tokenizer.ggml.pre" in caplog.text
   tok = Tokenizer.from_metadata(md)

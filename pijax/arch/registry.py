@@ -102,7 +102,7 @@ def config_from_metadata(metadata: Mapping[str, Any], path: str, tensor_names: s
   """Builds the ModelConfig of a GGUF from its metadata through its family module.
 
   Args:
-    metadata: GGUF key/values (see `pijax.gguf_io.open_gguf`).
+    metadata: GGUF key/values (see `pijax.formats.gguf.open_gguf`).
     path: the file, for error messages.
     tensor_names: names of the tensors in the file (e.g. to detect a tied output head).
     ffn_activation: "silu" | "relu" | "drelu", used only when the file does not say.

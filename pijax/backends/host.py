@@ -29,8 +29,8 @@ import numpy as np
 from host_ops import _common
 from host_ops import decoder as decoder_lib
 from host_ops import qmatmul
-from pijax import gguf_io
-from pijax import loader
+from pijax.formats import gguf as gguf_io
+from pijax.formats import loader
 from pijax.arch import registry
 from pijax.arch.spec import ModelConfig
 from pijax.backends import base

@@ -1,6 +1,6 @@
 """The hybrid sparse backend (PowerInfer, arXiv 2312.12456 §4-5): hot FFN neurons on the device,
 cold ones on the host, active sets from predictors (or the oracle); attention and everything
-outside the FFN in XLA. The FFN itself is `pijax.hybrid.HybridFFN`."""
+outside the FFN in XLA. The FFN itself is `pijax.nn.hybrid.HybridFFN`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from pijax import hybrid as hybrid_lib
-from pijax import model as model_lib
-from pijax import predictor as predictor_lib
+from pijax.nn import hybrid as hybrid_lib
+from pijax.nn import transformer as model_lib
+from pijax.offline import predictor as predictor_lib
 from pijax.arch.spec import ModelConfig
 from pijax.backends import base
 from pijax.errors import ConfigError
@@ -22,8 +22,8 @@ class HybridBackend(base.Backend):
 
   Args:
     config: ModelConfig.
-    spec: pijax.hybrid.SparseSpec (static: mode, hot counts, the host rows of each layer).
-    params: the hybrid param tree (`pijax.hybrid.build_hybrid`).
+    spec: pijax.nn.hybrid.SparseSpec (static: mode, hot counts, the host rows of each layer).
+    params: the hybrid param tree (`pijax.nn.hybrid.build_hybrid`).
     dtype: numpy dtype of the device params and KV cache.
   """
 
@@ -86,13 +86,13 @@ class HybridBackend(base.Backend):
 def replace_counts(model, *, hot_ratio: float | None = None,
                    device_budget_gb: float | None = None) -> list[int]:
   """Per-layer hot counts of a bundle-loaded `model`, re-placed from the bundle's activation
-  frequencies for a hot ratio or a device budget (`pijax.placement.place`).
+  frequencies for a hot ratio or a device budget (`pijax.offline.placement.place`).
 
   Raises:
     ConfigError: not a bundle, or a budget that is not a finite number > 0.
     BudgetError: the budget is too small for the dense part.
   """
-  from pijax import placement as placement_lib
+  from pijax.offline import placement as placement_lib
   if model.sparse is None:
     raise ConfigError(f"{model.path}: re-placing neurons needs a bundle (pijax.convert).")
   if device_budget_gb is not None and not (device_budget_gb > 0
@@ -128,8 +128,8 @@ def for_model(model, mode: str = hybrid_lib.MODE_OFF, *, hot_ratio: float | None
       the low-bit predictor's cuts, which are those thresholds).
     cut_offset: added to the MLP predictor logit cuts (predictor mode; > 0 skips more).
     predictor_kind: "auto" (low-bit for SwiGLU/GeGLU, MLP for ReLU families), "mlp" or
-      "lowbit" (see `pijax.predictor`).
-    prefill_dense_tokens, overlap, host_predict: see `pijax.hybrid.SparseSpec`.
+      "lowbit" (see `pijax.offline.predictor`).
+    prefill_dense_tokens, overlap, host_predict: see `pijax.nn.hybrid.SparseSpec`.
     use_pallas: force the Pallas kernel for the hot part of decode (default: on GPU).
 
   Raises:

@@ -1,4 +1,4 @@
-"""The dense backend: the Flax transformer (`pijax.model`) compiled by XLA, every weight in the
+"""The dense backend: the Flax transformer (`pijax.nn.transformer`) compiled by XLA, every weight in the
 compute dtype on the default JAX device, the KV cache a device pytree."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from pijax import model as model_lib
+from pijax.nn import transformer as model_lib
 from pijax.arch.spec import ModelConfig
 from pijax.backends import base
 
@@ -18,7 +18,7 @@ class XlaBackend(base.Backend):
 
   Args:
     config: ModelConfig.
-    params: the param tree of `pijax.model.Transformer` (`pijax.loader.load_gguf`).
+    params: the param tree of `pijax.nn.transformer.Transformer` (`pijax.formats.loader.load_gguf`).
     dtype: numpy dtype of params and KV cache.
   """
 

@@ -162,7 +162,7 @@ class Tokenizer:
     add_bos, add_eos: whether `encode(..., add_special=True)` adds BOS / EOS.
     stop_ids: frozenset[int] of ids that end generation (eos, eot, eom, and control tokens whose
       text is in `END_OF_TURN_TEXTS`).
-    chat_template: str | None, the Jinja2 chat template (`tokenizer.chat_template`); see pijax.chat.
+    chat_template: str | None, the Jinja2 chat template (`tokenizer.chat_template`); see pijax.text.chat.
     special_ids: frozenset[int] of the control / unknown ids `parse_special=True` recognises.
     backend: the engine that splits plain text: a `tokenizers.Tokenizer` (gpt2; its
       `encode_special_tokens` is True, control tokens are parsed by `split_special`) or a
@@ -209,7 +209,7 @@ class Tokenizer:
   @classmethod
   def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
     """The tokenizer of a GGUF file. Raises GGUFError (bad file) or TokenizerError (bad vocab)."""
-    from pijax.gguf_io import read_metadata
+    from pijax.formats.gguf import read_metadata
     return cls.from_metadata(read_metadata(path))
 
   @classmethod
@@ -217,7 +217,7 @@ class Tokenizer:
     """Builds the tokenizer a GGUF's metadata describes.
 
     Args:
-      metadata: {key: value} as returned by `pijax.gguf_io.read_metadata`; only `tokenizer.*` keys
+      metadata: {key: value} as returned by `pijax.formats.gguf.read_metadata`; only `tokenizer.*` keys
         are used.
 
     Returns:
@@ -278,7 +278,7 @@ class Tokenizer:
         that already holds "<s>" never gets a double BOS.
       parse_special: False (default): text that looks like a control token, e.g. "<|im_start|>", is
         encoded as plain text (safe for user input). True: control and unknown tokens written in the
-        text become their ids (for prompts built by a chat template; see `pijax.chat.encode_chat`).
+        text become their ids (for prompts built by a chat template; see `pijax.text.chat.encode_chat`).
 
     Returns:
       list[int] of token ids. An empty `text` gives `[]` on a model that adds no BOS (e.g. SmolLM2)

@@ -21,7 +21,7 @@ import numpy as np
 from pijax.arch import registry
 from pijax.arch.spec import ModelConfig
 from pijax.errors import GGUFError
-from pijax.gguf_io import open_gguf
+from pijax.formats.gguf import open_gguf
 
 _DTYPES = {"float32": np.float32, "f32": np.float32, "bfloat16": ml_dtypes.bfloat16,
            "bf16": ml_dtypes.bfloat16, "float16": np.float16, "f16": np.float16}
@@ -95,7 +95,7 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str = "float32",
 
   Returns:
     config: ModelConfig.
-    params: the flax param tree of `pijax.model.Transformer`, one subtree per layer:
+    params: the flax param tree of `pijax.nn.transformer.Transformer`, one subtree per layer:
       embed/embedding: [vocab, hidden]; layers_{i}/attn_norm/scale: [hidden];
       layers_{i}/attn/qkv_proj/kernel: [hidden, (n_heads + 2 n_kv_heads) head_dim] (q | k | v);
       layers_{i}/attn/o_proj/kernel: [n_heads head_dim, hidden]; layers_{i}/ffn_norm/scale;

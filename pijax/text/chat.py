@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pijax.errors import TokenizerError
-from pijax.tokenizer import Tokenizer
+from pijax.text.tokenizer import Tokenizer
 
 # Private-use characters that bracket each message content in a second, marked rendering.
 _OPEN, _CLOSE = "\ue000", "\ue001"

@@ -220,7 +220,7 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
   """One decoder layer (pre-norm): x += attn(norm(x)); x += ffn(norm(x)).
 
-  With `sparse` set (a `pijax.hybrid.SparseSpec`), the FFN is the module its `make_ffn` returns:
+  With `sparse` set (a `pijax.nn.hybrid.SparseSpec`), the FFN is the module its `make_ffn` returns:
   the hybrid one (predicted or oracle active neurons, hot on the device, cold on the host).
   """
 
@@ -258,7 +258,7 @@ class Transformer(nn.Module):
 
   config: ModelConfig
   kv_len: int
-  sparse: Any = None  # pijax.hybrid.SparseSpec for hybrid sparse FFNs; None = dense.
+  sparse: Any = None  # pijax.nn.hybrid.SparseSpec for hybrid sparse FFNs; None = dense.
 
   @nn.compact
   def __call__(self, tokens: jax.Array, pos: jax.Array, cache: KVCache,
@@ -332,7 +332,7 @@ def prefill(params: Any, cache: KVCache, tokens: jax.Array, length: jax.Array, *
   """Processes a (right-padded) prompt and fills the KV cache; usable inside `jax.jit`.
 
   Args:
-    params: param tree from `pijax.loader.load_gguf`.
+    params: param tree from `pijax.formats.loader.load_gguf`.
     cache: KVCache; positions [pos, pos + T) are overwritten.
     tokens: i32[B, T] prompt ids, right-padded to a bucket length T (padding is ignored:
       it only writes cache slots that later tokens overwrite before they are read).

@@ -29,7 +29,7 @@ def neuron_contribution(gate: jax.Array, up: jax.Array, family: str) -> jax.Arra
   """
   if family == config_lib.FFN_RELU_MLP:
     return jax.nn.relu(up)
-  from pijax.model import ffn_activation  # The one jnp definition of each gated family.
+  from pijax.nn.transformer import ffn_activation  # The one jnp definition of each gated family.
   return jnp.abs(ffn_activation(gate, up, family))
 
 

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pijax import model as model_lib
+from pijax.nn import transformer as model_lib
 from pijax.backends import bridge
-from pijax import predictor as predictor_lib
-from pijax import sparsity
+from pijax.offline import predictor as predictor_lib
+from pijax.nn import sparsity
 from pijax.arch.spec import ModelConfig
 from pijax.errors import ConfigError
 
@@ -51,7 +51,7 @@ class SparseSpec:
     ranks: per-layer predictor rank (mode predictor, MLP predictors).
     use_pallas: compute the hot part of decode with the Pallas kernel (GPU only).
     predictor_kind: "mlp" (fc2(relu(fc1(x)))) or "lowbit" (4-bit gate/up estimate), see
-      `pijax.predictor`.
+      `pijax.offline.predictor`.
     overlap: run the host part concurrently with the device's hot part: a first callback
       hands (h, ids) to a worker thread and returns at once, the device computes the hot
       part, and a second callback (which depends on the hot result) collects the host
@@ -78,7 +78,7 @@ class SparseSpec:
   overlap_worker: Any = None  # pijax.backends.bridge.Overlap when overlap is on.
 
   def make_ffn(self, config: ModelConfig, layer: int, name: str) -> nn.Module:
-    """The FFN module of `layer` (what `pijax.model.Block` runs when given a spec)."""
+    """The FFN module of `layer` (what `pijax.nn.transformer.Block` runs when given a spec)."""
     return HybridFFN(config, self, layer, name=name)
 
 
@@ -94,7 +94,7 @@ class HybridFFN(nn.Module):
   Params (neuron-major, rows sorted by activation frequency):
     hot/{gate, up, down}: [n_hot, D] device-resident rows.
     fc1: f32[D, r], fc2: f32[r, F], cut: f32[], rms_bound: f32[] (mode predictor, MLP; tokens
-      with residual rms above rms_bound run dense, see `pijax.predictor.predict_active`).
+      with residual rms above rms_bound run dense, see `pijax.offline.predictor.predict_active`).
     gate_codes, up_codes: uint8[F, D/2], gate_scales, up_scales: f16[F, D/32], cut: f32[]
       (mode predictor, low-bit: active when the estimated contribution >= cut).
     all/{gate, up}: [F, D] and threshold: f32[] (mode oracle: the true active set).
@@ -245,14 +245,14 @@ def forward_with_masks(params: Any, tokens: jax.Array, *, config: ModelConfig,
 
 def hybrid_prefill(params, cache, tokens, length, *, config, kv_len, sparse, pos=0,
                    all_logits=False):
-  """`pijax.model.prefill` with the hybrid FFN; also returns active_fraction f32[L]."""
+  """`pijax.nn.transformer.prefill` with the hybrid FFN; also returns active_fraction f32[L]."""
   index = None if all_logits else jnp.asarray(length, jnp.int32) - 1
   return forward(params, cache, tokens, jnp.asarray(pos, jnp.int32), config=config,
                  kv_len=kv_len, sparse=sparse, logits_index=index)
 
 
 def hybrid_decode_step(params, cache, tokens, pos, *, config, kv_len, sparse):
-  """`pijax.model.decode_step` with the hybrid FFN; also returns active_fraction f32[L]."""
+  """`pijax.nn.transformer.decode_step` with the hybrid FFN; also returns active_fraction f32[L]."""
   return forward(params, cache, tokens[:, None], pos, config=config, kv_len=kv_len,
                  sparse=sparse, logits_index=jnp.zeros((), jnp.int32))
 
@@ -377,6 +377,6 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
 
 def default_predictor_kind(family: str) -> str:
   """"mlp" for ReLU families (exact zeros: PowerInfer's predictors work), "lowbit" for
-  SwiGLU/GeGLU, whose contributions the MLP predictors could not rank (`pijax.predictor`)."""
+  SwiGLU/GeGLU, whose contributions the MLP predictors could not rank (`pijax.offline.predictor`)."""
   return predictor_lib.PREDICTOR_MLP if sparsity.has_exact_zeros(family) else \
       predictor_lib.PREDICTOR_LOWBIT

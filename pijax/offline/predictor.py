@@ -589,12 +589,12 @@ def lowbit_contribution(params: dict, h: jax.Array, family: str) -> jax.Array:
   Args:
     params: see `lowbit_params` (NumPy or jax arrays).
     h: f32[..., D] the normed FFN input (what the FFN itself multiplies).
-    family: FFN family (see `pijax.sparsity.neuron_contribution`).
+    family: FFN family (see `pijax.nn.sparsity.neuron_contribution`).
 
   Returns:
     f32[..., F].
   """
-  from pijax import sparsity
+  from pijax.nn import sparsity
   h = jnp.asarray(h, jnp.float32)
   g = jnp.einsum("...d,fd->...f", h, dequantize_rows_q4(params["gate_codes"],
                                                         params["gate_scales"]))

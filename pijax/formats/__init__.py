@@ -1,0 +1,1 @@
+"""File formats: GGUF (open, validate, dequantize into the family's params) and converted bundles."""

@@ -1,0 +1,1 @@
+"""Text: tokenizers built from GGUF metadata, and chat templates."""
