@@ -195,7 +195,7 @@ class Model:
 
   def new_cache(self, batch: int = 1):
     """A fresh decode state (KV cache) of the backend for `max_seq_len` tokens. Pass it to
-    `release_cache` when done (host caches live in host RAM until then)."""
+    `release_cache` (the latest state) when done: host caches live in host RAM until then."""
     return self.backend.init_state(batch, self.max_seq_len)
 
   def release_cache(self, state) -> None:
@@ -292,6 +292,7 @@ class Model:
     key = jax.random.PRNGKey(seed)
     backend = self.backend
     cache = self.new_cache(1)
+    release = backend.releaser(cache)
     try:
       token, cache, key = self._prefill(cache, ids, key, sparams, recent(), stats)
       stats.compile_s = self.compile_s - compile_before
@@ -330,7 +331,7 @@ class Model:
         stats.add_active(np.asarray(active))
         pos += 1
     finally:
-      backend.release_state(cache)
+      release()
 
   def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
@@ -411,12 +412,12 @@ class Model:
     (1.0 when dense).
     """
     ids = self.encode_prompt(list(ids))
-    backend = self.backend
     cache = self.new_cache(1)
+    release = self.backend.releaser(cache)
     try:
       return self._prompt_logits(cache, ids, return_active)
     finally:
-      backend.release_state(cache)
+      release()
 
   def _prompt_logits(self, cache, ids: list[int], return_active: bool):
     out = []

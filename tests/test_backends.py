@@ -179,3 +179,24 @@ def test_two_models_and_interleaved_sequences(tmp_path, backend):
     assert stream.result.token_ids == alone[key], key
   if backend == "host":
     assert all(m.backend.live_states == 0 for m in models)
+
+
+def test_host_pass_runs_on_the_calling_thread(tmp_path):
+  """The host backend's whole-pass callback runs on the thread that called the step (XLA:CPU
+  runs a step inline when its state is donated): numba's thread pool lives there, and from XLA's
+  worker thread the same pass ran 3x slower (BUILD_NOTES.md, issue 10)."""
+  import threading
+  path = tiny_models.write_random_quantized_gguf(tmp_path / "m.gguf", layer_type="Q8_0")
+  model = pijax.load(path, max_seq_len=64)
+  model.configure_host_weights("gguf")
+  backend = model.backend
+  threads = []
+  inner = backend._forward_cb
+
+  def spy(*args):
+    threads.append(threading.current_thread())
+    return inner(*args)
+
+  backend._forward_cb = spy
+  model.generate([0, 5, 9], max_new_tokens=4, temperature=0.0)
+  assert len(threads) >= 2 and set(threads) == {threading.current_thread()}

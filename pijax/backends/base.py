@@ -12,7 +12,7 @@ Every step method is traceable: the engine calls it inside `jax.jit` with the ba
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -30,8 +30,7 @@ class Backend(abc.ABC):
     name: "xla" | "host" | "hybrid".
     exact_kv: True when a pass attends exactly [0, pos + T) whatever kv_len says (the host
       backend): the engine then compiles one executable for every KV length.
-    donate_state: whether the state's buffers are donated to each step (False when the state
-      only names host memory, which the backend then releases by reading it).
+    donate_state: whether the engine donates the state's buffers to each step.
   """
 
   name: str = "backend"
@@ -80,8 +79,16 @@ class Backend(abc.ABC):
     """A fresh decode state (KV cache) for `batch` rows of `max_seq_len` tokens."""
 
   def release_state(self, state: Any) -> None:
-    """Frees what the state holds outside JAX (host KV caches); a no-op by default."""
+    """Frees what the state holds outside JAX (host KV caches); a no-op by default. `state`
+    must be readable: the one init_state returned or the latest step's output (a state passed
+    to a step was donated); see `releaser`."""
     del state
+
+  def releaser(self, state: Any) -> Callable[[], None]:
+    """A callable freeing what `state` holds outside JAX, taken right after `init_state` (it
+    stays valid after the state has been donated to steps)."""
+    del state
+    return lambda: None
 
   # ----------------------------------------------------------------------------- steps
   @abc.abstractmethod

@@ -143,7 +143,10 @@ class HostBackend(base.Backend):
 
   name = "host"
   exact_kv = True
-  donate_state = False  # The state is an id; release_state reads it after the last step.
+  # Donated although it is only an id: XLA:CPU then runs the step on the calling thread, where
+  # numba's thread pool lives; on XLA's worker thread the same host pass ran 3x slower
+  # (BUILD_NOTES.md, issue 10).
+  donate_state = True
 
   def __init__(self, config: ModelConfig, decoder: decoder_lib.HostDecoder, weights: str):
     super().__init__(config)
@@ -178,6 +181,10 @@ class HostBackend(base.Backend):
 
   def release_state(self, state: HostState) -> None:
     self._caches.pop(int(np.asarray(state.cache_id)[0]), None)
+
+  def releaser(self, state: HostState):
+    cache_id = int(np.asarray(state.cache_id)[0])
+    return lambda: self._caches.pop(cache_id, None)
 
   def host_cache(self, state: HostState) -> decoder_lib.HostKVCache:
     """The host KV cache behind a state (ConfigError if it was released)."""
