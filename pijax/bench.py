@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pijax import engine as engine_lib
 from pijax import sampling as sampling_lib
 from pijax.errors import ConfigError
 

@@ -7,18 +7,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
-from pijax.nn import hybrid as hybrid_lib
-from pijax.nn import transformer as model_lib
-from pijax.offline import predictor as predictor_lib
 from pijax.arch.spec import ModelConfig
 from pijax.backends import base
+from pijax.backends import xla
 from pijax.errors import ConfigError
+from pijax.nn import hybrid as hybrid_lib
+from pijax.offline import predictor as predictor_lib
 
 
-class HybridBackend(base.Backend):
-  """A bundle run in a sparse mode.
+class HybridBackend(xla.XlaBackend):
+  """A bundle run in a sparse mode: the XLA backend's device params and KV cache, with the
+  FFN of every layer replaced by `pijax.nn.hybrid.HybridFFN`.
 
   Args:
     config: ModelConfig.
@@ -30,25 +29,12 @@ class HybridBackend(base.Backend):
   name = "hybrid"
 
   def __init__(self, config: ModelConfig, spec: hybrid_lib.SparseSpec, params: Any, dtype: Any):
-    super().__init__(config)
+    super().__init__(config, params, dtype)
     self.spec = spec
-    self._params = params
-    self.dtype = np.dtype(dtype)
-
-  @property
-  def label(self) -> str:
-    return str(self.dtype)
 
   @property
   def mode(self) -> str:
     return self.spec.mode
-
-  @property
-  def params(self) -> Any:
-    return self._params
-
-  def init_state(self, batch: int, max_seq_len: int) -> model_lib.KVCache:
-    return model_lib.init_cache(self.config, batch, max_seq_len, self.dtype)
 
   def prefill(self, params, state, tokens, length, pos, *, kv_len, all_logits):
     return hybrid_lib.hybrid_prefill(params, state, tokens, length, config=self.config,
@@ -79,8 +65,6 @@ class HybridBackend(base.Backend):
       pred = 2 * cfg.hidden_size * cfg.intermediate_size * cfg.n_layers * item
     return int(total - ffn + hot + (1.0 - ffn_sparsity) * cold + pred), total
 
-  def weight_bytes(self) -> int:
-    return self.config.n_params() * self.dtype.itemsize
 
 
 def replace_counts(model, *, hot_ratio: float | None = None,
@@ -137,7 +121,6 @@ def for_model(model, mode: str = hybrid_lib.MODE_OFF, *, hot_ratio: float | None
     BudgetError: the budget is too small for the dense part.
   """
   from host_ops import _common
-  from pijax.backends import xla
   if mode not in hybrid_lib.MODES:
     raise ConfigError(f"--sparse={mode!r} must be one of {', '.join(hybrid_lib.MODES)}.")
   if host_threads is not None:

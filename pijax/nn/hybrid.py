@@ -17,7 +17,6 @@ function: a dense FFN with the inactive neurons zeroed.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
