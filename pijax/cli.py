@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Callable
 
+from host_ops import HostOpError
 from pijax.errors import PijaxError
 
 EXIT_BAD_INPUT = 2
@@ -129,7 +130,7 @@ def run(main: Callable[[list[str]], None], prog: str, *,
       if len(argv) > 1:
         fail(prog, f"unexpected arguments {argv[1:]}; {args_hint}.")
       main(argv)
-    except PijaxError as err:
+    except (PijaxError, HostOpError) as err:  # HostOpError: host_ops's own bad-input error.
       fail(prog, " ".join(str(err).split()))
     except BrokenPipeError:
       # The reader went away (e.g. `| head`): stop quietly, as cat does.

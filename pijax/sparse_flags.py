@@ -134,8 +134,12 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
       if threads < 1:
         from pijax.errors import ConfigError
         raise ConfigError(f"--host_threads={threads} must be >= 1.")
-      from host_ops import _common
-      _common.set_host_threads(int(threads))
+      import host_ops
+      try:
+        host_ops.set_host_threads(int(threads))
+      except host_ops.HostOpError as err:
+        from pijax.errors import ConfigError
+        raise ConfigError(f"--host_threads={threads}: {err}.") from None
     sparsity = pick(GATE_SPARSITY, "gate_sparsity")
     model.configure_host_weights(
         host_weights, gate_sparse=bool(pick(GATE_SPARSE, "gate_sparse")),

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from host_ops import _common
+import host_ops
 from host_ops import decoder as decoder_lib
 from host_ops import qmatmul
 from pijax.formats import gguf as gguf_io
@@ -288,7 +288,7 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
       if calibration_chunks is not None:
         cuts = dec.calibrate_gate_cuts(calibration_chunks, gate_sparsity)
       dec.enable_gated(cuts)
-  except _common.HostOpError as err:
+  except host_ops.HostOpError as err:
     raise ConfigError(f"--host_weights={weights}: {err}") from None
   return HostBackend(config, dec, weights)
 

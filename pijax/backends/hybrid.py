@@ -120,15 +120,15 @@ def for_model(model, mode: str = hybrid_lib.MODE_OFF, *, hot_ratio: float | None
     ConfigError: bad mode, a plain GGUF with a sparse mode, bad hot_ratio or thread count.
     BudgetError: the budget is too small for the dense part.
   """
-  from host_ops import _common
+  import host_ops
   if mode not in hybrid_lib.MODES:
     raise ConfigError(f"--sparse={mode!r} must be one of {', '.join(hybrid_lib.MODES)}.")
   if host_threads is not None:
     if host_threads < 1:
       raise ConfigError(f"--host_threads={host_threads} must be >= 1.")
     try:
-      _common.set_host_threads(int(host_threads))
-    except _common.HostOpError as err:
+      host_ops.set_host_threads(int(host_threads))
+    except host_ops.HostOpError as err:
       raise ConfigError(f"--host_threads={host_threads}: {err}") from None
   if mode == hybrid_lib.MODE_OFF:  # Dense: leave a dense backend (XLA or host) as it is.
     if isinstance(model.backend, HybridBackend):
