@@ -36,17 +36,6 @@ MIN_PREFILL_BUCKET = 16  # Prompt chunks are padded to a power of two >= this.
 MIN_KV_BUCKET = 256  # Attention windows are powers of two >= this (capped at max_seq_len).
 
 
-def _token_ids(prompt: Any) -> list[int]:
-  """A prompt given as token ids: a flat sequence of ints (not bytes, not floats)."""
-  if isinstance(prompt, (bytes, bytearray)):
-    raise ConfigError("the prompt is bytes; pass text (str) or a list of token ids.")
-  arr = np.asarray(prompt)
-  if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-    raise ConfigError(f"token-id prompts must be a flat list of integers, got "
-                      f"{arr.dtype}{list(arr.shape)}.")
-  return [int(i) for i in arr]
-
-
 def _check_int(name: str, value: Any, minimum: int) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
     raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}.")
@@ -205,44 +194,18 @@ class Model:
   # ----------------------------------------------------------------------------- prompts
   def encode_prompt(self, prompt: str | Sequence[int], *, chat: bool = False,
                     parse_special: bool = False, system: str | None = None) -> list[int]:
-    """Token ids for a prompt: text (optionally wrapped in the chat template) or ids.
+    """Token ids for a prompt that fits this model's context; see `pijax.text.prompt.encode`.
 
     Raises:
-      ConfigError: `chat` on a model without a chat template.
-      ContextError: the prompt is empty or longer than max_seq_len.
+      ConfigError: `chat` on a model without a chat template; a malformed id list.
+      ContextError: the prompt is empty, not UTF-8, has ids outside the vocabulary, or is
+        longer than max_seq_len.
     """
-    if isinstance(prompt, str):
-      try:
-        prompt.encode("utf-8")
-      except UnicodeEncodeError as err:
-        raise ContextError(f"the prompt is not valid UTF-8 text ({err.reason} at character "
-                           f"{err.start}); pass UTF-8 text.") from None
-      if chat:
-        from pijax.text.chat import encode_chat
-        if not self.tokenizer.chat_template:
-          raise ConfigError(f"{self.path}: the model has no chat template "
-                            "(tokenizer.chat_template); run without --chat.")
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": prompt}]
-        ids = encode_chat(self.tokenizer, self.tokenizer.chat_template, messages,
-                          add_generation_prompt=True, parse_special_in_content=parse_special)
-      else:
-        ids = self.tokenizer.encode(prompt, add_special=True, parse_special=parse_special)
-    else:
-      ids = _token_ids(prompt)
-    if not ids:
-      raise ContextError("the prompt is empty (0 tokens) and there is nothing to continue; "
-                         "give a non-empty prompt.")
-    if len(ids) > self.max_seq_len:
-      raise ContextError(f"the prompt has {len(ids)} tokens but the context is "
-                         f"{self.max_seq_len} tokens (max_seq_len); shorten the prompt or "
-                         "raise max_seq_len (up to the model's context_length "
-                         f"{self.config.context_length}).")
-    bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
-    if bad:
-      raise ContextError(f"token id {bad[0]} is outside the vocabulary [0, "
-                         f"{self.config.vocab_size}).")
-    return ids
+    from pijax.text import prompt as prompt_lib
+    return prompt_lib.encode(self.tokenizer, prompt, chat=chat, parse_special=parse_special,
+                             system=system, max_seq_len=self.max_seq_len,
+                             context_length=self.config.context_length,
+                             vocab_size=self.config.vocab_size, path=self.path)
 
   # ----------------------------------------------------------------------------- running
   def _prefill(self, cache, ids: list[int], key, sparams, recent, stats: GenerationStats):
