@@ -14,6 +14,7 @@ unless --keep_workdir.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 import sys
@@ -86,6 +87,9 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
     raise ConfigError("pass --device_budget_gb (or --hot_ratio) so neurons can be placed.")
   if os.path.exists(opts.out) and not opts.overwrite:
     raise ConfigError(f"{opts.out} already exists; choose another --out or pass --overwrite.")
+  if os.path.exists(opts.out) and not bundle_lib.is_bundle(opts.out):
+    raise ConfigError(f"--out={opts.out} exists and is not a bundle; --overwrite only replaces a "
+                      "bundle: choose another --out.")
   if opts.device_dtype not in _DTYPE_BYTES:
     raise ConfigError(f"device dtype {opts.device_dtype!r} must be one of "
                       f"{sorted(_DTYPE_BYTES)}.")
@@ -266,6 +270,9 @@ def _check_options(opts: ConvertOptions, given) -> None:
     raise ConfigError("pass --device_budget_gb (or --hot_ratio) so neurons can be placed.")
   if os.path.exists(opts.out) and not opts.overwrite:
     raise ConfigError(f"{opts.out} already exists; choose another --out or pass --overwrite.")
+  if os.path.exists(opts.out) and not bundle_lib.is_bundle(opts.out):
+    raise ConfigError(f"--out={opts.out} exists and is not a bundle; --overwrite only replaces a "
+                      "bundle: choose another --out.")
 
 
 def main(argv: list[str]) -> None:
@@ -290,8 +297,9 @@ def main(argv: list[str]) -> None:
   if not out or not calibration:
     raise ConfigError("--out and --calibration are required.")
   budget_gb = pick("device_budget_gb")
-  if budget_gb is not None and not (isinstance(budget_gb, (int, float)) and budget_gb > 0):
-    raise ConfigError(f"--device_budget_gb={budget_gb} must be > 0.")
+  if budget_gb is not None and not (isinstance(budget_gb, (int, float)) and budget_gb > 0
+                                    and math.isfinite(budget_gb) and budget_gb < 1e9):
+    raise ConfigError(f"--device_budget_gb={budget_gb} must be a finite number of GB in (0, 1e9).")
   opts = ConvertOptions(
       calibration=calibration, out=out,
       target_sparsity=pick("target_sparsity", 0.5),

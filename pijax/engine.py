@@ -374,7 +374,7 @@ class Model:
     With return_active, also f32[L]: each layer's active FFN fraction over the real tokens
     (1.0 when dense).
     """
-    ids = self.encode_prompt(list(ids))
+    ids = self.encode_prompt(ids if isinstance(ids, str) else ids)
     cache = self.new_cache(1)
     release = self.backend.releaser(cache)
     try:

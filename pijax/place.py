@@ -126,8 +126,9 @@ def main(argv: list[str]) -> None:
     raise ConfigError("--out is required (where to write the placement JSON).")
   if _BUDGET_GB.value is None and _HOT_RATIO.value is None:
     raise ConfigError("--device_budget_gb is required (or --hot_ratio without a budget).")
-  if _BUDGET_GB.value is not None and not _BUDGET_GB.value >= 0:
-    raise ConfigError(f"--device_budget_gb={_BUDGET_GB.value} must be >= 0.")
+  if _BUDGET_GB.value is not None and not 0 <= _BUDGET_GB.value < 1e9:
+    raise ConfigError(f"--device_budget_gb={_BUDGET_GB.value} must be a finite number of GB in "
+                      "[0, 1e9).")
   cli.check_max_seq_len(_MAX_SEQ_LEN.value)
   dtype_bytes = numpy_dtype(_DTYPE.value).itemsize
   try:

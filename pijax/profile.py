@@ -89,9 +89,22 @@ class Profile:
     return (self.counts / max(self.n_train, 1)).astype(np.float32)
 
   def ffn_inputs(self, config: ModelConfig) -> np.ndarray:
-    """Read-only memmap f32[L, N, D] of the recorded FFN-block inputs."""
-    return np.memmap(os.path.join(self.workdir, FFN_INPUTS_FILE), np.float32, "r",
-                     shape=(config.n_layers, self.n_tokens, config.hidden_size))
+    """Read-only memmap f32[L, N, D] of the recorded FFN-block inputs.
+
+    Raises:
+      ConfigError: the profile's shapes are not this model's (a profile of another model).
+    """
+    from pijax.errors import ConfigError
+    path = os.path.join(self.workdir, FFN_INPUTS_FILE)
+    shape = (config.n_layers, self.n_tokens, config.hidden_size)
+    want = 4 * int(np.prod(shape))
+    got = os.path.getsize(path) if os.path.exists(path) else -1
+    if got != want or self.counts.shape != (config.n_layers, config.intermediate_size):
+      raise ConfigError(f"{self.workdir}: the profile does not match this model ({config.n_layers} "
+                        f"layers, hidden_size {config.hidden_size}, intermediate_size "
+                        f"{config.intermediate_size}): {FFN_INPUTS_FILE} has {got} bytes for "
+                        f"{want}; profile the same --model.")
+    return np.memmap(path, np.float32, "r", shape=shape)
 
   def save(self) -> None:
     """Writes profile.npz + profile.json into workdir (temp file, then rename)."""

@@ -150,6 +150,10 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
     from pijax.errors import ConfigError
     raise ConfigError(f"--host_weights={host_weights} is for dense runs of a GGUF; sparse "
                       f"modes and bundles use f32 rows (use --host_weights=off).")
+  if pick(GATE_SPARSE, "gate_sparse"):
+    from pijax.errors import ConfigError
+    raise ConfigError("--gate_sparse runs on quantized host weights of a plain GGUF; bundles and "
+                      "--sparse modes use their own predictors (drop --gate_sparse).")
   if (mode != "off" and model.sparse is not None and hot_ratio is None and budget is None
       and jax.default_backend() == "cpu"):
     # No accelerator: "device" and host are the same CPU and memory, and the host path is the

@@ -200,3 +200,32 @@ def test_host_pass_runs_on_the_calling_thread(tmp_path):
   backend._forward_cb = spy
   model.generate([0, 5, 9], max_new_tokens=4, temperature=0.0)
   assert len(threads) >= 2 and set(threads) == {threading.current_thread()}
+
+
+@pytest.mark.parametrize("factor", [0.0, float("nan"), -2.0, "x"])
+def test_rope_scaling_factor_is_checked(factor):
+  meta = {"general.architecture": "llama", "llama.embedding_length": 64,
+          "llama.attention.head_count": 4, "llama.feed_forward_length": 160,
+          "llama.block_count": 2, "llama.vocab_size": 256, "llama.rope.scaling.type": "linear",
+          "llama.rope.scaling.factor": factor}
+  with pytest.raises(GGUFError, match="rope.scaling.factor"):
+    registry.config_from_metadata(meta, "m.gguf", set())
+
+
+def test_host_states_are_not_shared_between_backends_and_bytes_are_refused(tmp_path):
+  """A decode state of one host backend names no cache of another (ids are process-unique);
+  bytes are not token ids, in prompt_logits as in generate."""
+  from pijax.errors import ConfigError
+  path = tiny_models.write_random_quantized_gguf(tmp_path / "m.gguf", layer_type="Q8_0")
+  a, b = (pijax.load(path, max_seq_len=32) for _ in range(2))
+  for m in (a, b):
+    m.configure_host_weights("gguf")
+  state_a, state_b = a.new_cache(), b.new_cache()
+  assert b.backend.host_cache(state_b) is not None
+  with pytest.raises(ConfigError, match="released"):
+    b.backend.host_cache(state_a)
+  a.release_cache(state_a)
+  b.release_cache(state_b)
+  assert a.backend.live_states == b.backend.live_states == 0
+  with pytest.raises(ConfigError, match="bytes"):
+    a.prompt_logits(b"hello")

@@ -130,3 +130,28 @@ def test_convert_refuses_existing_out_and_tiny_budget(converted, shared_dir, tmp
   assert "bytes" in last and "100000000" in last
   assert not out.exists()
   assert not [p for p in os.listdir(tmp_path) if p.startswith("tiny_budget.tmp")]
+
+
+@pytest.mark.parametrize("manifest", [
+    [1, 2],
+    {"format": bundle_lib.BUNDLE_FORMAT, "version": bundle_lib.BUNDLE_VERSION},
+    {"format": bundle_lib.BUNDLE_FORMAT, "version": bundle_lib.BUNDLE_VERSION,
+     "source": {"path": "/", "sha256": "0"}, "layers": []},
+])
+def test_malformed_manifest_is_a_bundle_error(tmp_path, manifest):
+  """A manifest that is not an object, lacks its source, or names a folder as the source."""
+  from pijax.errors import BundleError
+  (tmp_path / bundle_lib.MANIFEST_FILE).write_text(json.dumps(manifest))
+  with pytest.raises(BundleError, match=str(tmp_path)):
+    bundle_lib.open_bundle(str(tmp_path))
+
+
+def test_write_bundle_never_replaces_a_non_bundle(tmp_path):
+  """--overwrite replaces a bundle only: a file (e.g. the source GGUF) is left as it was."""
+  from pijax.errors import BundleError
+  victim = tmp_path / "model.gguf"
+  victim.write_bytes(b"GGUF data")
+  with pytest.raises(BundleError, match="not a bundle"):
+    bundle_lib.write_bundle(str(victim), {"x": np.ones(2)}, {}, overwrite=True)
+  assert victim.read_bytes() == b"GGUF data"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]

@@ -53,7 +53,7 @@ def config_from_metadata(meta: MetadataReader, tensor_names: set[str],
   scaling_type = meta.get("rope.scaling.type", "none")
   rope_scale = 1.0
   if scaling_type == "linear":
-    rope_scale = float(meta.get("rope.scaling.factor", 1.0))
+    rope_scale = meta.positive_float("rope.scaling.factor", 1.0)
   elif scaling_type not in ("none", None):
     raise GGUFError(f"{path}: RoPE scaling {scaling_type!r} is not supported (only linear).")
   rope_dim = meta.positive_int("rope.dimension_count", head_dim)

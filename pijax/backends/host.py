@@ -132,6 +132,11 @@ class HostState:
   cache_id: jax.Array
 
 
+# State ids are unique in the process, so a state handed to another backend finds no cache
+# (an error) instead of another sequence's.
+_STATE_IDS = itertools.count(1)
+
+
 class HostBackend(base.Backend):
   """Quantized host weights; the backend owns the host KV caches of its sequences.
 
@@ -153,7 +158,6 @@ class HostBackend(base.Backend):
     self.decoder = decoder
     self.weights = weights
     self._caches: dict[int, decoder_lib.HostKVCache] = {}
-    self._ids = itertools.count(1)
 
   @property
   def label(self) -> str:
@@ -175,7 +179,7 @@ class HostBackend(base.Backend):
 
   # ----------------------------------------------------------------------------- state
   def init_state(self, batch: int, max_seq_len: int) -> HostState:
-    cache_id = next(self._ids)
+    cache_id = next(_STATE_IDS)
     self._caches[cache_id] = self.decoder.new_cache(batch, max_seq_len)
     return HostState(cache_id=jnp.asarray([cache_id], jnp.int32))
 

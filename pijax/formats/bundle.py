@@ -81,12 +81,15 @@ def write_bundle(out_dir: str, tree: dict[str, Any], manifest: dict[str, Any], *
   """Writes checkpoint + manifest atomically: a temporary sibling folder renamed to out_dir.
 
   Raises:
-    BundleError: out_dir exists and overwrite is False.
+    BundleError: out_dir exists and overwrite is False, or it exists and is not a bundle.
   """
   import orbax.checkpoint as ocp
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(out_dir) and not overwrite:
     raise BundleError(f"{out_dir} already exists; choose another --out or pass --overwrite.")
+  if os.path.exists(out_dir) and not is_bundle(out_dir):
+    raise BundleError(f"{out_dir} exists and is not a bundle; --overwrite only replaces a "
+                      "bundle: choose another --out.")
   parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
@@ -117,6 +120,9 @@ def read_manifest(path: str) -> dict[str, Any]:
   except (OSError, json.JSONDecodeError) as err:
     raise BundleError(f"{manifest_path}: unreadable bundle manifest ({err}); re-run "
                       "pijax.convert.") from None
+  if not isinstance(manifest, dict):
+    raise BundleError(f"{manifest_path}: not a bundle manifest (a JSON object); re-run "
+                      "pijax.convert.")
   if manifest.get("format") != BUNDLE_FORMAT or manifest.get("version") != BUNDLE_VERSION:
     raise BundleError(f"{path}: bundle format {manifest.get('format')!r} version "
                       f"{manifest.get('version')!r}, but this pijax reads {BUNDLE_FORMAT!r} "
@@ -183,17 +189,22 @@ def open_bundle(path: str, *, source: str | None = None
   """
   from pijax.profile import file_sha256
   manifest = read_manifest(path)
-  src = source or manifest["source"]["path"]
-  if not os.path.exists(src):
-    raise BundleError(f"{path}: its source GGUF {src} does not exist; pass the original "
-                      "file with --source (or re-convert).")
+  try:
+    src = source or manifest["source"]["path"]
+    want = manifest["source"]["sha256"]
+    n_layers = len(manifest["layers"])
+  except (KeyError, TypeError):
+    raise BundleError(f"{path}: its manifest lacks source.path / source.sha256 / layers; "
+                      "re-run pijax.convert.") from None
+  if not os.path.isfile(src):
+    raise BundleError(f"{path}: its source GGUF {src} is not a file; put the original GGUF "
+                      "back at that path (or re-convert).")
   digest = file_sha256(src)
-  if digest != manifest["source"]["sha256"]:
+  if digest != want:
     raise BundleError(f"{path}: converted from a GGUF with sha256 "
                       f"{manifest['source']['sha256'][:16]}..., but {src} has sha256 "
-                      f"{digest[:16]}...; pass the original file with --source or re-convert.")
+                      f"{digest[:16]}...; put the original file back at that path or re-convert.")
   tree = read_checkpoint(path)
-  n_layers = len(manifest["layers"])
   bundle = SparseBundle(
       path=os.path.abspath(path), manifest=manifest, ffn=tree["ffn"],
       predictors=tree["predictors"], cuts=tree["cuts"], thresholds=tree["thresholds"],
