@@ -267,7 +267,13 @@ def main(argv: list[str]) -> None:
   del argv
   from absl import flags
   import pijax
+  from pijax.errors import ConfigError
   f = flags.FLAGS
+  if f.chunk_len < 1 or f.max_tokens < f.chunk_len:
+    raise ConfigError(f"--max_tokens={f.max_tokens} and --chunk_len={f.chunk_len}: need "
+                      "chunk_len >= 1 and max_tokens >= chunk_len.")
+  if os.path.exists(f.out) and not os.path.isdir(f.out):
+    raise ConfigError(f"--out={f.out} is a file; pass a folder (the profile's workdir).")
   model = pijax.load(f.model, max_seq_len=max(f.chunk_len, 16))
   prof = profile_model(model, f.calibration, f.out, target_sparsity=f.target_sparsity,
                        max_tokens=f.max_tokens, chunk_len=f.chunk_len)

@@ -76,6 +76,11 @@ def test_perplexity_cli_format(shared_dir):
      "--max_tokens=-5"),
     ("pijax.generate", ["--config=configs/smollm2_135m.py", "--prompt=Hi", "--sparse=predictor"],
      "needs a bundle"),
+    ("pijax.profile", ["--calibration=README.md", "--out=/tmp/pijax-unused", "--max_tokens=-5"],
+     "--max_tokens=-5"),
+    ("pijax.profile", ["--calibration=README.md", "--out=README.md"], "--out=README.md"),
+    ("pijax.place", ["--profile=/nonexistent", "--out=/tmp/pijax-unused.json",
+                     "--device_budget_gb=inf"], "--device_budget_gb=inf"),
 ])
 def test_tools_refuse_bad_flags_in_one_line(module, args, needle):
   proc = _run(module, *args)
