@@ -77,8 +77,12 @@ def perplexity(model, text: str, *, n_ctx: int = 512, chunks: int | None = None,
     if not os.path.exists(kl_base_path):
       raise ConfigError(f"{kl_base_path}: no such KL-divergence base; make it with "
                         "--kl_divergence_base on the reference run.")
-    base = np.load(kl_base_path, mmap_mode="r")
-    if base.shape != (n_scored, model.config.vocab_size):
+    try:
+      base = np.load(kl_base_path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError):
+      raise ConfigError(f"{kl_base_path}: not a .npy log-prob file; make it with "
+                        "--kl_divergence_base on the reference run.") from None
+    if not isinstance(base, np.ndarray) or base.shape != (n_scored, model.config.vocab_size):
       raise ConfigError(f"{kl_base_path}: holds {base.shape} log-probs but this run scores "
                         f"{(n_scored, model.config.vocab_size)}; use the same -f, -c, --chunks.")
   save = None
@@ -158,6 +162,9 @@ def main(argv: list[str]) -> None:
     if not os.path.isdir(folder):
       raise ConfigError(f"--kl_divergence_base={f.kl_divergence_base}: no folder {folder} to "
                         "write it in.")
+    if os.path.isdir(f.kl_divergence_base) or f.kl_divergence_base.endswith(os.sep):
+      raise ConfigError(f"--kl_divergence_base={f.kl_divergence_base} is a folder; name the file "
+                        "to write (e.g. base.npy).")
   sparse_flags.check()  # --hot_ratio etc.: refused before the load, even for a plain GGUF.
   try:
     with open(f.file, encoding="utf-8") as fh:

@@ -79,6 +79,10 @@ def test_perplexity_cli_format(shared_dir):
     ("pijax.profile", ["--calibration=README.md", "--out=/tmp/pijax-unused", "--max_tokens=-5"],
      "--max_tokens=-5"),
     ("pijax.profile", ["--calibration=README.md", "--out=README.md"], "--out=README.md"),
+    ("pijax.perplexity", ["-m", "default", "-f", "README.md", "--kl_divergence_base=/tmp/"],
+     "is a folder"),
+    ("pijax.perplexity", ["-m", "default", "-f", "README.md", "-c", "64", "--chunks", "1",
+                          "--kl_divergence", "--kl_divergence_base=README.md"], "not a .npy"),
     ("pijax.place", ["--profile=/nonexistent", "--out=/tmp/pijax-unused.json",
                      "--device_budget_gb=inf"], "--device_budget_gb=inf"),
 ])
