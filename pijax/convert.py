@@ -85,11 +85,7 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
   cfg = model.config
   if opts.device_budget_bytes is None and opts.hot_ratio is None:
     raise ConfigError("pass --device_budget_gb (or --hot_ratio) so neurons can be placed.")
-  if os.path.exists(opts.out) and not opts.overwrite:
-    raise ConfigError(f"{opts.out} already exists; choose another --out or pass --overwrite.")
-  if os.path.exists(opts.out) and not bundle_lib.is_bundle(opts.out):
-    raise ConfigError(f"--out={opts.out} exists and is not a bundle; --overwrite only replaces a "
-                      "bundle: choose another --out.")
+  _check_out(opts)
   if opts.device_dtype not in _DTYPE_BYTES:
     raise ConfigError(f"device dtype {opts.device_dtype!r} must be one of "
                       f"{sorted(_DTYPE_BYTES)}.")
@@ -268,6 +264,11 @@ def _check_options(opts: ConvertOptions, given) -> None:
       raise ConfigError(f"{where(name)}={value!r} {what}.")
   if opts.device_budget_bytes is None and opts.hot_ratio is None:
     raise ConfigError("pass --device_budget_gb (or --hot_ratio) so neurons can be placed.")
+  _check_out(opts)
+
+
+def _check_out(opts: ConvertOptions) -> None:
+  """ConfigError for an --out that exists, unless it is a bundle and --overwrite is given."""
   if os.path.exists(opts.out) and not opts.overwrite:
     raise ConfigError(f"{opts.out} already exists; choose another --out or pass --overwrite.")
   if os.path.exists(opts.out) and not bundle_lib.is_bundle(opts.out):

@@ -374,7 +374,8 @@ class Model:
     With return_active, also f32[L]: each layer's active FFN fraction over the real tokens
     (1.0 when dense).
     """
-    ids = self.encode_prompt(ids if isinstance(ids, str) else ids)
+    from pijax.text import prompt as prompt_lib
+    ids = self.encode_prompt(prompt_lib.token_ids(ids))  # Ids only: text and bytes refused.
     cache = self.new_cache(1)
     release = self.backend.releaser(cache)
     try:

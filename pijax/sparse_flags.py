@@ -131,15 +131,8 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
     # Silent on purpose: stderr stays one stats line (or one error line); bench and the
     # closing stats name the weights.
     if threads is not None:
-      if threads < 1:
-        from pijax.errors import ConfigError
-        raise ConfigError(f"--host_threads={threads} must be >= 1.")
-      import host_ops
-      try:
-        host_ops.set_host_threads(int(threads))
-      except host_ops.HostOpError as err:
-        from pijax.errors import ConfigError
-        raise ConfigError(f"--host_threads={threads}: {err}.") from None
+      from pijax.backends import host
+      host.set_threads(threads)
     sparsity = pick(GATE_SPARSITY, "gate_sparsity")
     model.configure_host_weights(
         host_weights, gate_sparse=bool(pick(GATE_SPARSE, "gate_sparse")),

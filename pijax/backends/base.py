@@ -79,10 +79,10 @@ class Backend(abc.ABC):
     """A fresh decode state (KV cache) for `batch` rows of `max_seq_len` tokens."""
 
   def release_state(self, state: Any) -> None:
-    """Frees what the state holds outside JAX (host KV caches); a no-op by default. `state`
-    must be readable: the one init_state returned or the latest step's output (a state passed
-    to a step was donated); see `releaser`."""
-    del state
+    """Frees what the state holds outside JAX (host KV caches). `state` must be readable: the
+    one init_state returned or the latest step's output (a state passed to a step was donated);
+    see `releaser`."""
+    self.releaser(state)()
 
   def releaser(self, state: Any) -> Callable[[], None]:
     """A callable freeing what `state` holds outside JAX, taken right after `init_state` (it

@@ -183,9 +183,6 @@ class HostBackend(base.Backend):
     self._caches[cache_id] = self.decoder.new_cache(batch, max_seq_len)
     return HostState(cache_id=jnp.asarray([cache_id], jnp.int32))
 
-  def release_state(self, state: HostState) -> None:
-    self._caches.pop(int(np.asarray(state.cache_id)[0]), None)
-
   def releaser(self, state: HostState):
     cache_id = int(np.asarray(state.cache_id)[0])
     return lambda: self._caches.pop(cache_id, None)
@@ -295,6 +292,20 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
   except host_ops.HostOpError as err:
     raise ConfigError(f"--host_weights={weights}: {err}") from None
   return HostBackend(config, dec, weights)
+
+
+def set_threads(threads: int) -> None:
+  """Sets the numba threads of every host kernel (--host_threads).
+
+  Raises:
+    ConfigError: below 1 or above numba's thread count.
+  """
+  if threads < 1:
+    raise ConfigError(f"--host_threads={threads} must be >= 1.")
+  try:
+    host_ops.set_host_threads(int(threads))
+  except host_ops.HostOpError as err:
+    raise ConfigError(f"--host_threads={threads}: {err}.") from None
 
 
 def calibration_chunks(model, path: str | None, n_chunks: int = 8, length: int = 256

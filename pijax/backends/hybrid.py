@@ -120,16 +120,11 @@ def for_model(model, mode: str = hybrid_lib.MODE_OFF, *, hot_ratio: float | None
     ConfigError: bad mode, a plain GGUF with a sparse mode, bad hot_ratio or thread count.
     BudgetError: the budget is too small for the dense part.
   """
-  import host_ops
+  from pijax.backends import host
   if mode not in hybrid_lib.MODES:
     raise ConfigError(f"--sparse={mode!r} must be one of {', '.join(hybrid_lib.MODES)}.")
   if host_threads is not None:
-    if host_threads < 1:
-      raise ConfigError(f"--host_threads={host_threads} must be >= 1.")
-    try:
-      host_ops.set_host_threads(int(host_threads))
-    except host_ops.HostOpError as err:
-      raise ConfigError(f"--host_threads={host_threads}: {err}") from None
+    host.set_threads(host_threads)
   if mode == hybrid_lib.MODE_OFF:  # Dense: leave a dense backend (XLA or host) as it is.
     if isinstance(model.backend, HybridBackend):
       return xla.XlaBackend(model.config, model.params, model.dtype)
