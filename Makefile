@@ -10,7 +10,8 @@ N_GEN ?= 128
 REPS ?= 5
 THREADS ?= $(shell nproc 2>/dev/null || echo 1)
 
-.PHONY: install install-test install-compare demo test test-fast bench-compare clean
+.PHONY: install install-test install-compare install-server browser demo serve chat test test-fast \
+    bench-compare clean
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,7 +30,20 @@ $(VENV)/.compare: $(VENV)/.runtime
 	$(PY) -m pip install -q -e '.[compare]'
 	touch $@
 
+$(VENV)/.server: $(VENV)/.runtime
+	$(PY) -m pip install -q -e '.[server]'
+	touch $@
+
 install: $(VENV)/.runtime
+
+install-server: $(VENV)/.server
+
+# Debian's chromium + chromium-driver, for the chat-page test (tests/test_chat_page.py); needs
+# root (apt-get) the first time.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	     chromium chromium-driver >/dev/null)
 
 install-test: $(VENV)/.test
 
@@ -38,10 +52,17 @@ install-compare: $(VENV)/.compare
 demo: install
 	$(PY) -m pijax.generate --config=configs/smollm2_135m.py --prompt="$(PROMPT)" --max_new_tokens=32
 
-test: install-test
+# python -m pijax.serve: OpenAI-compatible server on http://127.0.0.1:8080 (chat page at /).
+serve: install-server
+	$(PY) -m pijax.serve --model=$(BENCH_MODEL) --host 127.0.0.1 --port 8080
+
+chat: install
+	$(PY) -m pijax.chat --model=$(BENCH_MODEL)
+
+test: install-test browser
 	$(PY) -m pytest tests -q
 
-test-fast: install-test
+test-fast: install-test browser
 	$(PY) -m pytest tests -q -m "not slow"
 
 # pp$(N_PROMPT) / tg$(N_GEN) of pijax and llama.cpp side by side, with the ratio pijax / llama.cpp.

@@ -26,7 +26,8 @@ from pijax.arch.spec import ModelConfig
 from pijax.backends import base as backend_lib
 from pijax.backends import xla as xla_backend
 from pijax.errors import ConfigError, ContextError
-from pijax.generation import STOP_EOS, STOP_LENGTH, GenerationResult, GenerationStats, Stream
+from pijax.generation import (STOP_EOS, STOP_LENGTH, STOP_STRING, GenerationResult,
+                               GenerationStats, StopStrings, Stream, TokenStep)
 from pijax.formats.gguf import default_model_path
 from pijax.formats.loader import load_gguf, numpy_dtype
 from pijax.text.tokenizer import Tokenizer
@@ -47,13 +48,18 @@ def _next_pow2(n: int) -> int:
 
 
 # ----------------------------------------------------------------------------- step functions
-# Traceable; the engine jits them with the backend and kv_len static (closed over).
-def prefill_sample(params, state, tokens, length, pos, key, sparams, recent, *, backend, kv_len):
+# Traceable; the engine jits them with the backend and kv_len static (closed over). With
+# `logprobs`, the sampling steps also return f32[B, V]: log-softmax of the raw logits.
+def prefill_sample(params, state, tokens, length, pos, key, sparams, recent, *, backend, kv_len,
+                   logprobs=False):
   """Prefill the last chunk + sample the first new token: (token i32[B], state, key, active)."""
   logits, state, active = backend.prefill(params, state, tokens, length, pos, kv_len=kv_len,
                                           all_logits=False)
   key, sub = jax.random.split(key)
-  return sampling_lib.sample(logits, sub, sparams, recent), state, key, active
+  token = sampling_lib.sample(logits, sub, sparams, recent)
+  if logprobs:
+    return token, state, key, active, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return token, state, key, active
 
 
 def prefill_chunk(params, state, tokens, length, pos, *, backend, kv_len):
@@ -63,11 +69,15 @@ def prefill_chunk(params, state, tokens, length, pos, *, backend, kv_len):
   return state, active
 
 
-def decode_sample(params, state, tokens, pos, key, sparams, recent, *, backend, kv_len):
+def decode_sample(params, state, tokens, pos, key, sparams, recent, *, backend, kv_len,
+                  logprobs=False):
   """Decode one token + sample the next: (token i32[B], state, key, active)."""
   logits, state, active = backend.decode(params, state, tokens, pos, kv_len=kv_len)
   key, sub = jax.random.split(key)
-  return sampling_lib.sample(logits, sub, sparams, recent), state, key, active
+  token = sampling_lib.sample(logits, sub, sparams, recent)
+  if logprobs:
+    return token, state, key, active, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return token, state, key, active
 
 
 def all_logits(params, state, tokens, length, pos, *, backend, kv_len):
@@ -76,7 +86,84 @@ def all_logits(params, state, tokens, length, pos, *, backend, kv_len):
 
 
 STEPS = {"prefill": prefill_sample, "prefill_chunk": prefill_chunk, "decode": decode_sample,
-         "logits": all_logits}
+         "logits": all_logits,
+         "prefill_logprobs": functools.partial(prefill_sample, logprobs=True),
+         "decode_logprobs": functools.partial(decode_sample, logprobs=True)}
+
+
+class Session:
+  """One sequence whose KV cache outlives a generation, so the next one reuses its prefix.
+
+  Pass it to `Model.generate_ids` / `Model.stream`: a prompt that starts with the tokens
+  already in the cache (the previous prompt and reply, as in a multi-turn chat) prefills only
+  the rest. The greedy output equals a fresh run's. Not thread-safe: one generation at a time.
+  Call `close` (or use `with`) to free the cache; `clear` forgets the cached tokens.
+
+  Attributes:
+    ids: the tokens whose keys and values are in the cache, in order.
+    last_reused: how many prompt tokens the latest generation took from the cache.
+  """
+
+  def __init__(self, model: "Model"):
+    self.model = model
+    self.ids: list[int] = []
+    self.last_reused = 0
+    self._state = None
+    self._backend = None
+    self._release = None
+    self._busy = False
+
+  def reusable(self, ids: Sequence[int]) -> int:
+    """How many leading tokens of `ids` the cache holds (at most len(ids) - 1: the last
+    prompt token is always run, its logits give the first new token)."""
+    if self._state is None or self._backend is not self.model.backend:
+      return 0
+    n = min(len(self.ids), len(ids) - 1)
+    i = 0
+    while i < n and self.ids[i] == ids[i]:
+      i += 1
+    return i
+
+  def _acquire(self, ids: Sequence[int]):
+    """(state, reused): the cache to prefill `ids` into and how many tokens it already holds."""
+    if self._busy:
+      raise ContextError("this Session is already generating; finish or close that "
+                         "generation first (one generation per session at a time).")
+    reused = self.reusable(ids)
+    if self._state is None or self._backend is not self.model.backend:
+      self.clear()
+      self._backend = self.model.backend
+      self._state = self.model.new_cache(1)
+      self._release = self._backend.releaser(self._state)
+    self._busy = True
+    self.ids = []  # Unknown until the generation stores what it fed.
+    self.last_reused = reused
+    return self._state, reused
+
+  def _store(self, state, fed: list[int] | None) -> None:
+    """Keeps the latest state and the tokens in it; None: the state was lost mid-step."""
+    self._busy = False
+    if fed is None:
+      self.clear()
+      return
+    self._state = state
+    self.ids = fed
+
+  def clear(self) -> None:
+    """Frees the cache (a later generation starts from an empty one)."""
+    if self._release is not None:
+      self._release()
+    self._state = self._backend = self._release = None
+    self.ids = []
+    self._busy = False
+
+  close = clear
+
+  def __enter__(self) -> "Session":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
 class Model:
@@ -208,11 +295,15 @@ class Model:
                              vocab_size=self.config.vocab_size, path=self.path)
 
   # ----------------------------------------------------------------------------- running
-  def _prefill(self, cache, ids: list[int], key, sparams, recent, stats: GenerationStats):
-    """Prefills `ids` in chunks; returns (first sampled token, cache, key)."""
-    pos = 0
+  def _prefill(self, cache, ids: list[int], key, sparams, recent, stats: GenerationStats,
+               start: int = 0, logprobs: bool = False):
+    """Prefills ids[start:] (ids[:start] are in the cache) in chunks.
+
+    Returns (first sampled token, cache, key, log-probs f32[1, V] or None).
+    """
+    pos = start
     n = len(ids)
-    token = None
+    token = lp = None
     while pos < n:
       chunk = ids[pos:pos + PREFILL_CHUNK]
       last = pos + len(chunk) >= n
@@ -224,10 +315,11 @@ class Model:
       jpos = jnp.asarray(pos, jnp.int32)
       if last:
         args = (self.step_params, cache, jnp.asarray(tokens), length, jpos, key, sparams, recent)
-        exe = self.compiled("prefill", kv_len, args)
+        exe = self.compiled("prefill_logprobs" if logprobs else "prefill", kv_len, args)
         t0 = time.perf_counter()
-        token, cache, key, active = exe(*args)
+        token, cache, key, active, *rest = exe(*args)
         token = np.asarray(token)
+        lp = np.asarray(rest[0]) if rest else None
         stats.prefill_s += time.perf_counter() - t0
       else:
         args = (self.step_params, cache, jnp.asarray(tokens), length, jpos)
@@ -237,14 +329,60 @@ class Model:
         jax.block_until_ready(cache)
         stats.prefill_s += time.perf_counter() - t0
       pos += len(chunk)
-    return token, cache, key
+    return token, cache, key, lp
+
+  def generate_ids(self, ids: Sequence[int], *, max_new_tokens: int = 128,
+                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0, repeat_penalty: float = 1.0,
+                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                   repeat_last_n: int = 64, seed: int = 0, session: Session | None = None,
+                   logprobs: bool = False, stats: GenerationStats | None = None
+                   ) -> Iterator[TokenStep]:
+    """Generates token ids one at a time: the lowest level of `stream`, for servers.
+
+    Args:
+      ids: the prompt's token ids (see `encode_prompt`); fit max_seq_len.
+      max_new_tokens, temperature, ..., seed: as for `stream`; presence_penalty and
+        frequency_penalty are OpenAI's additive penalties over the last repeat_last_n tokens.
+      session: a `Session` whose cache to reuse and keep (None: a fresh cache, freed at the end).
+      logprobs: each step also carries f32[vocab] log-probabilities of the raw logits.
+      stats: filled as the generation runs (a new one when None).
+
+    Yields:
+      `TokenStep` per sampled token (the stop token included), then one with token_id -1 and
+      stop_reason STOP_EOS or STOP_LENGTH. Closing the generator early stops the generation
+      at once (no further step runs) and frees or keeps the cache as above.
+
+    Raises:
+      ConfigError: invalid sampling values. ContextError: ids that do not fit.
+    """
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
+    repeat_last_n = _check_int("repeat_last_n", repeat_last_n, 1)
+    seed = _check_int("seed", seed, -(2 ** 63))
+    if seed >= 2 ** 63:
+      raise ConfigError(f"seed={seed} must be below 2**63.")
+    seed &= 0xFFFFFFFF  # The PRNG key uses 32 bits (llama.cpp seeds are uint32 too).
+    sparams = sampling_lib.make_sampling_params(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty)
+    ids = self.encode_prompt(list(ids) if not isinstance(ids, str) else ids)
+    if stats is None:
+      stats = GenerationStats()
+    stats.prompt_tokens = len(ids)
+    stats.load_s = self.load_s
+    stats.weights = self.weights_label
+    return self._generate_ids(ids, max_new_tokens=max_new_tokens, sparams=sparams, seed=seed,
+                              repeat_last_n=repeat_last_n, stats=stats,
+                              stop_ids=self.tokenizer.stop_ids, session=session,
+                              logprobs=logprobs)
 
   def _generate_ids(self, ids: list[int], *, max_new_tokens: int, sparams, seed: int,
-                    repeat_last_n: int, stats: GenerationStats, stop_ids: frozenset[int]
-                    ) -> Iterator[tuple[int, str | None]]:
-    """Yields (token id, None) per generated token and finally (-1, stop_reason)."""
+                    repeat_last_n: int, stats: GenerationStats, stop_ids: frozenset[int],
+                    session: Session | None = None, logprobs: bool = False
+                    ) -> Iterator[TokenStep]:
     if max_new_tokens == 0:
-      yield -1, STOP_LENGTH
+      yield TokenStep(-1, STOP_LENGTH)
       return
     compile_before = self.compile_s
     window = max(1, int(repeat_last_n))
@@ -254,10 +392,18 @@ class Model:
     recent = lambda: jnp.asarray(np.asarray(recent_buf, np.int32)[None])  # noqa: E731
     key = jax.random.PRNGKey(seed)
     backend = self.backend
-    cache = self.new_cache(1)
-    release = backend.releaser(cache)
+    if session is None:
+      cache = self.new_cache(1)
+      release = backend.releaser(cache)
+      start = 0
+    else:
+      cache, start = session._acquire(ids)
+    fed = list(ids)  # Tokens whose keys/values the cache will hold.
+    in_step = True  # A donated state is gone while a step runs; an error there loses it.
     try:
-      token, cache, key = self._prefill(cache, ids, key, sparams, recent(), stats)
+      token, cache, key, lp = self._prefill(cache, ids, key, sparams, recent(), stats,
+                                            start=start, logprobs=logprobs)
+      in_step = False
       stats.compile_s = self.compile_s - compile_before
       pos = len(ids)
       produced = 0
@@ -265,16 +411,16 @@ class Model:
         tok = int(token[0])
         produced += 1
         stats.new_tokens = produced
-        yield tok, None
+        yield TokenStep(tok, None, None if lp is None else lp[0])
         if tok in stop_ids:
-          yield -1, STOP_EOS
+          yield TokenStep(-1, STOP_EOS)
           return
         if produced >= max_new_tokens:
-          yield -1, STOP_LENGTH
+          yield TokenStep(-1, STOP_LENGTH)
           return
         if pos >= self.max_seq_len:
           logging.warning("context full: %d tokens (max_seq_len); stopping.", self.max_seq_len)
-          yield -1, STOP_LENGTH
+          yield TokenStep(-1, STOP_LENGTH)
           return
         if self.backend is not backend:
           raise ContextError("the model was reconfigured (configure_sparse / "
@@ -284,34 +430,49 @@ class Model:
         args = (self.step_params, cache, jnp.asarray([tok], jnp.int32),
                 jnp.asarray(pos, jnp.int32), key, sparams, recent())
         compile_before = self.compile_s
-        exe = self.compiled("decode", kv_len, args)
+        exe = self.compiled("decode_logprobs" if logprobs else "decode", kv_len, args)
         stats.compile_s += self.compile_s - compile_before
         t0 = time.perf_counter()
-        token, cache, key, active = exe(*args)
+        in_step = True
+        token, cache, key, active, *rest = exe(*args)
+        in_step = False
+        fed.append(tok)
         token = np.asarray(token)
+        lp = np.asarray(rest[0]) if rest else None
         stats.decode_s += time.perf_counter() - t0
         stats.decode_steps += 1
         stats.add_active(np.asarray(active))
         pos += 1
     finally:
-      release()
+      if session is None:
+        release()
+      else:
+        session._store(cache, None if in_step else fed)
 
   def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int = 0,
-             chat: bool = False, parse_special: bool = False) -> Stream:
+             chat: bool = False, parse_special: bool = False, stop: Sequence[str] = (),
+             session: Session | None = None, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0) -> Stream:
     """Generates text, yielding pieces as they are decoded (never half a UTF-8 character).
 
     Args:
-      prompt: text, or a list of token ids (used as is).
+      prompt: text, a list of token ids (used as is), or with `chat` a list of messages
+        ([{"role": "system" | "user" | "assistant", "content": str}, ...]).
       max_new_tokens: upper bound on generated tokens.
       temperature, top_k, top_p, min_p, repeat_penalty: see `pijax.sampling`
         (temperature 0 = greedy; top_k 0 = off; repeat_penalty 1 = off).
-      repeat_last_n: how many recent tokens the repetition penalty looks at.
+      repeat_last_n: how many recent tokens the repetition penalties look at.
       seed: PRNG seed (same seed, same output).
-      chat: wrap the prompt as one user message with the model's chat template.
+      chat: wrap the prompt as one user message (or render the messages) with the model's chat
+        template.
       parse_special: text that looks like a special token becomes that token (default: plain
         text; chat templates always insert real special tokens).
+      stop: stop strings: the text ends before the earliest one generated (stop_reason
+        "stop"); no part of it is ever yielded, even when it spans tokens.
+      session: a `Session` to reuse the cached prefix of (multi-turn chat) and keep the cache.
+      presence_penalty, frequency_penalty: OpenAI's additive penalties (0 = off).
 
     Returns:
       A `Stream`; iterate it for text pieces, then read `.result` (GenerationResult).
@@ -320,41 +481,46 @@ class Model:
       ConfigError: invalid sampling parameters or no chat template.
       ContextError: empty prompt or a prompt longer than max_seq_len.
     """
-    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
-    repeat_last_n = _check_int("repeat_last_n", repeat_last_n, 1)
-    seed = _check_int("seed", seed, -(2 ** 63))
-    if seed >= 2 ** 63:
-      raise ConfigError(f"seed={seed} must be below 2**63.")
-    seed &= 0xFFFFFFFF  # The PRNG key uses 32 bits (llama.cpp seeds are uint32 too).
-    sparams = sampling_lib.make_sampling_params(temperature=temperature, top_k=top_k,
-                                                top_p=top_p, min_p=min_p,
-                                                repeat_penalty=repeat_penalty)
+    stats = GenerationStats()
     ids = self.encode_prompt(prompt, chat=chat, parse_special=parse_special)
-    stats = GenerationStats(prompt_tokens=len(ids), load_s=self.load_s,
-                            weights=self.weights_label)
+    steps = self.generate_ids(ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, min_p=min_p,
+                              repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty, repeat_last_n=repeat_last_n,
+                              seed=seed, session=session, stats=stats)
+    stop_ids = self.tokenizer.stop_ids
 
     def pieces() -> Iterator[str]:
       decoder = self.tokenizer.stream()
+      stops = StopStrings(list(stop))
       out_ids: list[int] = []
       text: list[str] = []
       reason = STOP_LENGTH
-      for tok, stop in self._generate_ids(ids, max_new_tokens=max_new_tokens, sparams=sparams,
-                                          seed=seed, repeat_last_n=repeat_last_n, stats=stats,
-                                          stop_ids=self.tokenizer.stop_ids):
-        if stop is not None:
-          reason = stop
-          break
-        out_ids.append(tok)
-        if tok in self.tokenizer.stop_ids:
-          continue
-        piece = decoder.push(tok)
-        if piece:
-          text.append(piece)
-          yield piece
-      tail = decoder.flush()
-      if tail:
-        text.append(tail)
-        yield tail
+      try:
+        for step in steps:
+          if step.stop_reason is not None:
+            reason = step.stop_reason
+            break
+          out_ids.append(step.token_id)
+          if step.token_id in stop_ids:
+            continue
+          piece = stops.push(decoder.push(step.token_id))
+          if piece:
+            text.append(piece)
+            yield piece
+          if stops.stopped:
+            reason = STOP_STRING
+            break
+        if not stops.stopped:
+          tail = stops.push(decoder.flush())
+          tail += "" if stops.stopped else stops.flush()
+          if stops.stopped:
+            reason = STOP_STRING
+          if tail:
+            text.append(tail)
+            yield tail
+      finally:
+        steps.close()
       return GenerationResult(text="".join(text), token_ids=out_ids, stop_reason=reason,
                               stats=stats)
 

@@ -21,6 +21,15 @@ class ContextError(PijaxError):
   """A prompt (plus generation) does not fit the context window (max_seq_len tokens)."""
 
 
+class ContextLengthError(ContextError):
+  """A prompt is longer than the context: `n_tokens` > `max_seq_len` (both in tokens)."""
+
+  def __init__(self, message: str, *, n_tokens: int, max_seq_len: int):
+    super().__init__(message)
+    self.n_tokens = n_tokens
+    self.max_seq_len = max_seq_len
+
+
 class TokenizerError(PijaxError):
   """The GGUF's tokenizer metadata is missing or of a kind pijax does not support."""
 

@@ -9,6 +9,7 @@ import numpy as np
 
 STOP_EOS = "eos"  # An end-of-sequence / end-of-turn token was sampled.
 STOP_LENGTH = "length"  # max_new_tokens reached, or the context (max_seq_len) is full.
+STOP_STRING = "stop"  # A stop string was generated (the text ends before it).
 
 
 @dataclasses.dataclass
@@ -52,6 +53,64 @@ class GenerationStats:
 
 
 @dataclasses.dataclass
+class TokenStep:
+  """One event of `Model.generate_ids`.
+
+  token_id: the sampled id (-1 on the final event).
+  stop_reason: None, except on the final event (STOP_EOS or STOP_LENGTH).
+  logprobs: f32[vocab], log-softmax of the raw logits the token was sampled from (only when
+    asked for), else None.
+  """
+
+  token_id: int
+  stop_reason: str | None = None
+  logprobs: np.ndarray | None = None
+
+
+class StopStrings:
+  """Cuts streamed text at the earliest stop string, never emitting any part of one.
+
+  `push(piece)` returns the text that is safe to emit: text that is neither part of a match nor
+  a suffix that could still grow into one (held back until the next piece decides). After a
+  match, `stopped` is True and the text before it has been returned. `flush()` returns what is
+  held at the end of generation. A stop string that spans several tokens is found all the same.
+  """
+
+  def __init__(self, stops: "tuple[str, ...] | list[str]"):
+    self.stops = tuple(s for s in stops if s)
+    self._held = ""
+    self.stopped = False
+    self.matched: str | None = None
+
+  def push(self, piece: str) -> str:
+    if self.stopped:
+      return ""
+    if not self.stops:
+      return piece
+    text = self._held + piece
+    hits = [(text.find(s), s) for s in self.stops]
+    hits = [(at, s) for at, s in hits if at >= 0]
+    if hits:
+      at, self.matched = min(hits)
+      self.stopped = True
+      self._held = ""
+      return text[:at]
+    # Hold back the longest suffix of `text` that is a proper prefix of some stop string.
+    keep = 0
+    for stop in self.stops:
+      for n in range(min(len(stop) - 1, len(text)), keep, -1):
+        if text.endswith(stop[:n]):
+          keep = n
+          break
+    self._held = text[len(text) - keep:] if keep else ""
+    return text[:len(text) - keep]
+
+  def flush(self) -> str:
+    held, self._held = ("" if self.stopped else self._held), ""
+    return held
+
+
+@dataclasses.dataclass
 class GenerationResult:
   """text: the generated text; token_ids: the generated ids (stop token included)."""
 
@@ -77,3 +136,9 @@ class Stream:
     except StopIteration as stop:
       self.result = stop.value
       raise StopIteration from None
+
+  def close(self) -> None:
+    """Stops the generation now (no further decode step runs); `result` stays None."""
+    close = getattr(self._pieces, "close", None)
+    if close is not None:
+      close()

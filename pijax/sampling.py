@@ -23,6 +23,8 @@ Conventions (all rows of a batch share one `SamplingParams`):
     exactly the most likely token. Ties keep the lower token id first (as `argmax` does).
   * min_p: keep tokens with p >= min_p * p_max; 0 means off.
   * repeat_penalty: CTRL / llama.cpp rule on every token id in `recent_tokens`; 1 means off.
+  * presence_penalty / frequency_penalty: OpenAI's additive rule over the same recent tokens,
+    logit -= presence * [count > 0] + frequency * count (as llama.cpp applies them); 0 means off.
 """
 
 from __future__ import annotations
@@ -57,12 +59,16 @@ class SamplingParams:
     top_p: f32[] in [0, 1]; 1 means off, 0 keeps only the most likely token.
     min_p: f32[] in [0, 1]; 0 means off.
     repeat_penalty: f32[] > 0; 1 means off.
+    presence_penalty: f32[] in [-2, 2]; 0 means off.
+    frequency_penalty: f32[] in [-2, 2]; 0 means off.
   """
   temperature: jax.Array
   top_k: jax.Array
   top_p: jax.Array
   min_p: jax.Array
   repeat_penalty: jax.Array
+  presence_penalty: jax.Array
+  frequency_penalty: jax.Array
 
 
 def _as_float(name: str, value, valid: str) -> float:
@@ -85,6 +91,8 @@ def make_sampling_params(
     top_p: float = 1.0,
     min_p: float = 0.0,
     repeat_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
 ) -> SamplingParams:
   """Validates sampling settings on the host and packs them as JAX scalars.
 
@@ -94,6 +102,7 @@ def make_sampling_params(
     top_p: in [0, 1]; 1 means off.
     min_p: in [0, 1]; 0 means off.
     repeat_penalty: finite and > 0; 1 means off.
+    presence_penalty, frequency_penalty: in [-2, 2] (OpenAI's range); 0 means off.
 
   Returns:
     A `SamplingParams` of f32/i32 scalars.
@@ -128,12 +137,23 @@ def make_sampling_params(
     raise ConfigError(
         f"repeat_penalty={repeat_penalty!r} is invalid; repeat_penalty must be {valid}.")
 
+  additive = []
+  for name, value in (("presence_penalty", presence_penalty),
+                      ("frequency_penalty", frequency_penalty)):
+    valid = "a number in [-2, 2] (0 = off)"
+    v = _as_float(name, value, valid)
+    if not -2.0 <= v <= 2.0:
+      raise ConfigError(f"{name}={value!r} is invalid; {name} must be {valid}.")
+    additive.append(v)
+
   return SamplingParams(
       temperature=jnp.asarray(t, jnp.float32),
       top_k=jnp.asarray(int(top_k), jnp.int32),
       top_p=jnp.asarray(p, jnp.float32),
       min_p=jnp.asarray(m, jnp.float32),
       repeat_penalty=jnp.asarray(r, jnp.float32),
+      presence_penalty=jnp.asarray(additive[0], jnp.float32),
+      frequency_penalty=jnp.asarray(additive[1], jnp.float32),
   )
 
 
@@ -177,6 +197,36 @@ def apply_repetition_penalty(
   penalty = jnp.asarray(penalty, logits.dtype)
   penalised = jnp.where(logits > 0, logits / penalty, logits * penalty)
   return jnp.where(seen, penalised, logits)
+
+
+@jax.jit
+def apply_presence_frequency_penalty(
+    logits: jax.Array, recent_tokens: jax.Array, presence: jax.Array | float,
+    frequency: jax.Array | float) -> jax.Array:
+  """OpenAI's additive penalties: logit -= presence * [count > 0] + frequency * count.
+
+  Counts are taken over `recent_tokens` (llama.cpp's penalty window; OpenAI API reference,
+  "Parameter details"). Ids < 0 or >= vocab are ignored; both penalties 0 is an exact no-op.
+
+  Args:
+    logits: f32[batch, vocab].
+    recent_tokens: i32[batch, n]; entries < 0 are padding.
+    presence, frequency: f32[] (validated by `make_sampling_params`).
+
+  Returns:
+    f32[batch, vocab].
+  """
+  logits = jnp.asarray(logits)
+  recent_tokens = jnp.asarray(recent_tokens, jnp.int32)
+  _check_shapes(logits, recent_tokens)
+  batch, vocab = logits.shape
+  ids = jnp.where(recent_tokens < 0, vocab, recent_tokens)
+  rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
+  counts = jnp.zeros((batch, vocab), logits.dtype).at[rows, ids].add(1.0, mode="drop")
+  presence = jnp.asarray(presence, logits.dtype)
+  frequency = jnp.asarray(frequency, logits.dtype)
+  penalty = jnp.where(counts > 0, presence + frequency * counts, 0.0)
+  return logits - penalty
 
 
 def _filter_sorted(
@@ -284,6 +334,8 @@ def _penalise(logits, params, recent_tokens):
   _check_shapes(logits, recent_tokens)
   if recent_tokens is not None:
     logits = apply_repetition_penalty(logits, recent_tokens, params.repeat_penalty)
+    logits = apply_presence_frequency_penalty(logits, recent_tokens, params.presence_penalty,
+                                              params.frequency_penalty)
   return logits
 
 

@@ -65,3 +65,54 @@ def converted(smollm2, shared_dir, tmp_path_factory):
       workdir=str(base / "work"), progress=False)
   manifest = convert(smollm2, opts)
   return opts, manifest
+
+
+def free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server():
+  """`python -m pijax.serve` on the default model (host weights), loopback, 512-token context.
+
+  Yields a dict: base (http://127.0.0.1:port), model (its id), health (the /health statuses
+  seen while it loaded), proc, log (path of its stderr).
+  """
+  import subprocess
+  import sys
+  import tempfile
+  import time
+  import httpx2 as httpx
+  port = free_port()
+  log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "pijax.serve", "--model=default", f"--port={port}",
+       "--max_seq_len=512", "--max_queue=8", "--host_threads=2"],
+      stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
+  base = f"http://127.0.0.1:{port}"
+  seen = []
+  try:
+    deadline = time.time() + 300
+    while time.time() < deadline:
+      assert proc.poll() is None, open(log.name).read()
+      try:
+        r = httpx.get(base + "/health", timeout=5)
+        seen.append((r.status_code, r.json()))
+        if r.status_code == 200:
+          break
+      except httpx.TransportError:
+        pass
+      time.sleep(0.2)
+    else:
+      raise AssertionError("the server did not become ready: " + open(log.name).read())
+    model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+    yield {"base": base, "model": model, "health": seen, "proc": proc, "log": log.name}
+  finally:
+    proc.terminate()
+    try:
+      proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+      proc.kill()

@@ -237,7 +237,7 @@ def test_jitted_sample_compiles_once_for_all_parameter_values():
 def test_sampling_params_is_a_pytree_of_scalars():
   params = make_sampling_params(temperature=0.5, top_k=3)
   leaves = jax.tree_util.tree_leaves(params)
-  assert len(leaves) == 5 and all(leaf.shape == () for leaf in leaves)
+  assert len(leaves) == 7 and all(leaf.shape == () for leaf in leaves)
   assert params.top_k.dtype == jnp.int32 and params.temperature.dtype == jnp.float32
   assert isinstance(jax.tree_util.tree_map(lambda x: x, params), SamplingParams)
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import numpy as np
 
-from pijax.errors import ConfigError, ContextError
+from pijax.errors import ConfigError, ContextError, ContextLengthError
 
 
 def token_ids(prompt: Any) -> list[int]:
@@ -34,7 +35,8 @@ def encode(tokenizer, prompt: str | Sequence[int], *, chat: bool, parse_special:
 
   Args:
     tokenizer: pijax.text.tokenizer.Tokenizer.
-    prompt: text, or token ids used as they are.
+    prompt: text, token ids used as they are, or (with chat) a conversation:
+      [{"role": "system" | "user" | "assistant", "content": str}, ...].
     max_seq_len: the KV cache length (tokens) the ids must fit; context_length: the model's.
     vocab_size: ids must lie in [0, vocab_size). path: the model, for messages.
 
@@ -42,7 +44,26 @@ def encode(tokenizer, prompt: str | Sequence[int], *, chat: bool, parse_special:
     ConfigError: chat on a model without a chat template; a malformed id list.
     ContextError: empty, not UTF-8, ids outside the vocabulary, longer than max_seq_len.
   """
-  if isinstance(prompt, str):
+  is_messages = (isinstance(prompt, Sequence) and not isinstance(prompt, str) and prompt
+                 and all(isinstance(m, Mapping) for m in prompt))
+  if is_messages:
+    if not chat:
+      raise ConfigError("a list of messages is a chat prompt; pass chat=True.")
+    from pijax.text.chat import encode_chat
+    if not tokenizer.chat_template:
+      raise ConfigError(f"{path}: the model has no chat template "
+                        "(tokenizer.chat_template); send a plain-text prompt instead.")
+    for m in prompt:
+      content = m.get("content")
+      if isinstance(content, str):
+        try:
+          content.encode("utf-8")
+        except UnicodeEncodeError as err:
+          raise ContextError(f"a message is not valid UTF-8 text ({err.reason}); pass UTF-8 "
+                             "text.") from None
+    ids = encode_chat(tokenizer, tokenizer.chat_template, list(prompt),
+                      add_generation_prompt=True, parse_special_in_content=parse_special)
+  elif isinstance(prompt, str):
     try:
       prompt.encode("utf-8")
     except UnicodeEncodeError as err:
@@ -65,9 +86,10 @@ def encode(tokenizer, prompt: str | Sequence[int], *, chat: bool, parse_special:
     raise ContextError("the prompt is empty (0 tokens) and there is nothing to continue; "
                        "give a non-empty prompt.")
   if len(ids) > max_seq_len:
-    raise ContextError(f"the prompt has {len(ids)} tokens but the context is {max_seq_len} "
-                       "tokens (max_seq_len); shorten the prompt or raise max_seq_len (up to "
-                       f"the model's context_length {context_length}).")
+    raise ContextLengthError(
+        f"the prompt has {len(ids)} tokens but the context is {max_seq_len} tokens "
+        "(max_seq_len); shorten the prompt or raise max_seq_len (up to the model's "
+        f"context_length {context_length}).", n_tokens=len(ids), max_seq_len=max_seq_len)
   bad = [i for i in ids if not 0 <= i < vocab_size]
   if bad:
     raise ContextError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}).")

@@ -386,6 +386,11 @@ class Tokenizer:
       dec.push(tid)
     return dec
 
+  def token_bytes(self, token_id: int) -> bytes:
+    """The bytes one id stands for (its text in UTF-8; special tokens give their own text)."""
+    self._check_id(int(token_id))
+    return self._piece_bytes[int(token_id)]
+
   def token_text(self, token_id: int) -> str:
     """The vocabulary entry of one id as stored in the file (byte-level spelling for gpt2)."""
     self._check_id(int(token_id))

@@ -1,0 +1,140 @@
+"""`python -m pijax.serve --model=default --host 127.0.0.1 --port 8080`: an OpenAI-compatible server.
+
+Serves `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics` and a chat
+page at `/` (see `pijax.server.app`). The port opens at once; the model loads and compiles in
+the background while `/health` answers 503, then 200. Takes the sparse / placement / host
+flags of `pijax.generate`. Needs the `server` extra (`pip install -e '.[server]'`).
+Bad flags, a port in use or a model that fails to load: one line on stderr, exit status 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+
+from absl import flags
+
+from pijax import cli
+from pijax import sparse_flags
+
+_MODEL = flags.DEFINE_string("model", "default", "GGUF path, bundle folder, or 'default'.")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
+_PORT = flags.DEFINE_integer("port", 8080, "TCP port to listen on.")
+_MODEL_ALIAS = flags.DEFINE_string("model_alias", None, "Model id clients send (default: the "
+                                   "file name without .gguf).")
+_MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", 2048, "KV cache length (tokens) of each "
+                                    "conversation: prompt + reply must fit.")
+_DTYPE = flags.DEFINE_string("dtype", "float32", "float32 (CPU) or bfloat16 (GPU).")
+_MAX_QUEUE = flags.DEFINE_integer("max_queue", 16, "Requests that may wait for the worker; "
+                                  "more get 503.")
+_CACHE_SLOTS = flags.DEFINE_integer("cache_slots", 2, "Conversations whose KV cache is kept "
+                                    "for prefix reuse (each max_seq_len tokens).")
+_WARMUP = flags.DEFINE_bool("warmup", True, "Compile the prefill and decode steps before "
+                            "reporting ready.")
+
+PROG = "pijax.serve"
+
+
+def _model_id(path: str) -> str:
+  if _MODEL_ALIAS.value:
+    return _MODEL_ALIAS.value
+  if path == "default":
+    from pijax.formats.gguf import default_model_path
+    path = default_model_path()
+  name = os.path.basename(os.path.normpath(path))
+  return name[:-5] if name.endswith(".gguf") else name
+
+
+def _check_port(host: str, port: int) -> None:
+  from pijax.errors import ConfigError
+  if not 0 < port < 65536:
+    raise ConfigError(f"--port={port} must be in [1, 65535].")
+  try:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+  except socket.gaierror as err:
+    raise ConfigError(f"--host={host!r} is not an address this machine has ({err}).") from None
+  family, _, _, _, addr = infos[0]
+  with socket.socket(family, socket.SOCK_STREAM) as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      s.bind(addr)
+    except OSError as err:
+      raise ConfigError(f"cannot listen on {host}:{port} ({err.strerror}); pick another "
+                        "--port or stop what uses it.") from None
+
+
+def warm_up(model) -> float:
+  """Compiles the prefill (short prompts) and decode steps; returns the seconds spent."""
+  start = time.perf_counter()
+  ids = model.encode_prompt("Hello")
+  for _ in model.generate_ids(ids, max_new_tokens=2):
+    pass
+  return time.perf_counter() - start
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  try:
+    import fastapi  # noqa: F401
+    import uvicorn
+  except ImportError as err:
+    from pijax.errors import ConfigError
+    raise ConfigError(f"the server needs the `server` extra ({err.name} is missing); run "
+                      "pip install -e '.[server]'.") from None
+  from pijax.errors import ConfigError
+  cli.check_max_seq_len(_MAX_SEQ_LEN.value)
+  for flag in (_MAX_QUEUE, _CACHE_SLOTS):
+    if flag.value < 1:
+      raise ConfigError(f"--{flag.name}={flag.value} must be >= 1.")
+  sparse_flags.check()
+  model_arg = _MODEL.value
+  if model_arg != "default" and not os.path.exists(model_arg):
+    raise ConfigError(f"--model={model_arg!r} does not exist; give a GGUF file, a bundle "
+                      "folder or 'default'.")
+  _check_port(_HOST.value, _PORT.value)
+
+  from pijax.server.app import ServerState, create_app
+  state = ServerState(_model_id(model_arg), max_queue=_MAX_QUEUE.value,
+                      cache_slots=_CACHE_SLOTS.value)
+  app = create_app(state)
+  config = uvicorn.Config(app, host=_HOST.value, port=_PORT.value, log_level="warning",
+                          access_log=False, timeout_graceful_shutdown=5)
+  server = uvicorn.Server(config)
+
+  def load() -> None:
+    import pijax
+    try:
+      model = pijax.load(model_arg, dtype=_DTYPE.value, max_seq_len=_MAX_SEQ_LEN.value)
+      sparse_flags.configure(model)
+      compile_s = warm_up(model) if _WARMUP.value else 0.0
+    except Exception as err:  # Reported as one line; the server then stops with exit 2.
+      from host_ops import HostOpError
+      from pijax.errors import PijaxError
+      if not isinstance(err, (PijaxError, HostOpError)):
+        logging.exception("loading the model failed")
+      state.error = " ".join(str(err).split())
+      server.should_exit = True
+      return
+    state.attach(model)
+    sys.stderr.write(f"{PROG}: ready: {state.model_id} ({model.weights_label}, "
+                     f"max_seq_len {model.max_seq_len}), load {model.load_s:.1f} s, "
+                     f"warm-up {compile_s:.1f} s\n")
+    sys.stderr.flush()
+
+  sys.stderr.write(f"{PROG}: listening on http://{_HOST.value}:{_PORT.value} "
+                   f"(loading {model_arg})\n")
+  sys.stderr.flush()
+  threading.Thread(target=load, name="pijax-load", daemon=True).start()
+  server.run()
+  if state.worker is not None:
+    state.worker.close()
+  if state.error is not None:
+    raise ConfigError(f"could not load --model={model_arg}: {state.error}")
+
+
+if __name__ == "__main__":
+  cli.run(main, PROG, args_hint="give every value as --flag=value (see --helpfull)")

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server behind `python -m pijax.serve` (needs the `server` extra)."""

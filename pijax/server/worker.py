@@ -1,0 +1,230 @@
+"""One generation worker: a FIFO of jobs run one at a time, with prefix-reusing KV cache slots.
+
+The HTTP handlers (asyncio) tokenize a request, submit a `Job` and read its events; the worker
+thread runs the model (`Model.generate_ids`) and posts events back to the handler's event loop.
+A job whose client went away (`Job.cancel`) stops before its next decode step and frees the
+worker. The queue is bounded: `submit` raises `QueueFull` when `max_queue` jobs already wait.
+
+Prefix reuse: the worker keeps up to `cache_slots` `pijax.engine.Session`s (each one KV cache of
+max_seq_len tokens). A job runs in the slot whose cached tokens share the longest prefix with
+its prompt (the previous turn of the same conversation, usually), else in the least recently
+used slot, so a follow-up turn prefills only its new tokens (llama-server's `cache_prompt`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from pijax.errors import PijaxError
+from pijax.generation import STOP_STRING, StopStrings
+
+FINISH_REASONS = {"eos": "stop", STOP_STRING: "stop", "length": "length"}
+
+
+class QueueFull(Exception):
+  """The worker's queue holds `max_queue` waiting jobs already."""
+
+
+@dataclasses.dataclass
+class Delta:
+  """Text that became safe to emit, with the tokens that produced it (for logprobs)."""
+  text: str
+  tokens: list[dict[str, Any]]
+
+
+@dataclasses.dataclass
+class Done:
+  finish_reason: str
+  prompt_tokens: int
+  completion_tokens: int
+  cached_tokens: int
+
+
+@dataclasses.dataclass
+class Failed:
+  status: int
+  message: str
+  type: str = "server_error"
+
+
+class Job:
+  """One request's generation; its events arrive in `events` on the submitting loop.
+
+  Args:
+    ids: prompt token ids (they fit max_seq_len).
+    max_tokens: generated tokens at most (None: up to the context's end).
+    sampling: keyword arguments of `Model.generate_ids` (temperature, top_p, seed, ...).
+    stop: stop strings.
+    top_logprobs: None (no logprobs) or how many alternatives per token (0..20).
+  """
+
+  def __init__(self, ids: list[int], *, max_tokens: int | None, sampling: dict[str, Any],
+               stop: list[str], top_logprobs: int | None,
+               loop: asyncio.AbstractEventLoop | None = None):
+    self.ids = ids
+    self.max_tokens = max_tokens
+    self.sampling = sampling
+    self.stop = stop
+    self.top_logprobs = top_logprobs
+    self.loop = loop or asyncio.get_running_loop()
+    self.events: asyncio.Queue = asyncio.Queue()
+    self.cancelled = threading.Event()
+    self.submitted = time.perf_counter()
+
+  def cancel(self) -> None:
+    """Stops the generation before its next step (or before it starts)."""
+    self.cancelled.set()
+
+  def post(self, event) -> None:
+    try:
+      self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+    except RuntimeError:  # The loop closed (server shutting down): nobody is listening.
+      self.cancel()
+
+
+class Worker:
+  """Runs jobs on `model` one at a time in FIFO order, in one daemon thread.
+
+  Args:
+    model: a loaded `pijax.engine.Model`.
+    max_queue: waiting jobs at most (the running one not counted); more -> `QueueFull`.
+    cache_slots: KV caches kept for prefix reuse (each max_seq_len tokens of keys and values).
+    on_token: optional callback(job, seconds since the job's previous token or its start).
+  """
+
+  def __init__(self, model, *, max_queue: int = 16, cache_slots: int = 2,
+               on_token: Callable[[Job, float], None] | None = None):
+    from pijax import engine
+    self.model = model
+    self.max_queue = int(max_queue)
+    self._queue: queue.Queue = queue.Queue()
+    self._waiting = 0
+    self._lock = threading.Lock()
+    self._slots = [engine.Session(model) for _ in range(max(1, int(cache_slots)))]
+    self._used = [0.0] * len(self._slots)
+    self.on_token = on_token
+    self.running: Job | None = None
+    self._thread = threading.Thread(target=self._loop, name="pijax-worker", daemon=True)
+    self._thread.start()
+
+  @property
+  def waiting(self) -> int:
+    return self._waiting
+
+  def submit(self, job: Job) -> None:
+    """Queues a job (FIFO). Raises QueueFull when max_queue jobs already wait."""
+    with self._lock:
+      if self._waiting >= self.max_queue:
+        raise QueueFull(f"the server is busy: {self._waiting} requests are already waiting "
+                        f"(--max_queue={self.max_queue}); retry later.")
+      self._waiting += 1
+    self._queue.put(job)
+
+  def close(self) -> None:
+    """Stops the thread after the running job and frees the cache slots."""
+    self._queue.put(None)
+    self._thread.join(timeout=30)
+    for slot in self._slots:
+      slot.close()
+
+  def _loop(self) -> None:
+    while True:
+      job = self._queue.get()
+      if job is None:
+        return
+      with self._lock:
+        self._waiting -= 1
+      if job.cancelled.is_set():
+        continue
+      self.running = job
+      try:
+        self._run(job)
+      except PijaxError as err:
+        job.post(Failed(400, str(err), "invalid_request_error"))
+      except Exception as err:  # One request's failure must not stop the worker.
+        logging.exception("generation failed")
+        job.post(Failed(500, f"generation failed: {type(err).__name__}: {err}"))
+      finally:
+        self.running = None
+
+  def _slot_for(self, ids: list[int]) -> int:
+    best = max(range(len(self._slots)), key=lambda i: (self._slots[i].reusable(ids),
+                                                       -self._used[i]))
+    if self._slots[best].reusable(ids) == 0:
+      best = min(range(len(self._slots)), key=lambda i: self._used[i])
+    return best
+
+  def _token_entry(self, token_id: int, logprobs: np.ndarray, top: int) -> dict[str, Any]:
+    tok = self.model.tokenizer
+    data = tok.token_bytes(token_id)
+    entry = {"token": data.decode("utf-8", "replace"), "bytes": list(data),
+             "logprob": float(logprobs[token_id]), "top_logprobs": []}
+    if top:
+      best = np.argpartition(-logprobs, top - 1)[:top]
+      best = best[np.argsort(-logprobs[best], kind="stable")]
+      for i in best:
+        alt = tok.token_bytes(int(i))
+        entry["top_logprobs"].append({"token": alt.decode("utf-8", "replace"),
+                                      "bytes": list(alt), "logprob": float(logprobs[i])})
+    return entry
+
+  def _run(self, job: Job) -> None:
+    model = self.model
+    slot_index = self._slot_for(job.ids)
+    self._used[slot_index] = time.perf_counter()
+    slot = self._slots[slot_index]
+    room = model.max_seq_len - len(job.ids) + 1  # The last sampled token needs no KV row.
+    limit = room if job.max_tokens is None else min(job.max_tokens, room)
+    want_logprobs = job.top_logprobs is not None
+    steps = model.generate_ids(job.ids, max_new_tokens=limit, session=slot,
+                               logprobs=want_logprobs, **job.sampling)
+    decoder = model.tokenizer.stream()
+    stops = StopStrings(job.stop)
+    stop_ids = model.tokenizer.stop_ids
+    produced = 0
+    reason = "length"
+    pending: list[dict[str, Any]] = []
+    last = job.submitted
+    try:
+      for step in steps:
+        if job.cancelled.is_set():
+          return
+        if step.stop_reason is not None:
+          reason = step.stop_reason
+          break
+        produced += 1
+        now = time.perf_counter()
+        if self.on_token is not None:
+          self.on_token(job, now - last)
+        last = now
+        if want_logprobs:
+          pending.append(self._token_entry(step.token_id, step.logprobs, job.top_logprobs))
+        if step.token_id in stop_ids:
+          continue
+        text = stops.push(decoder.push(step.token_id))
+        if text or (pending and not stops.stopped):
+          job.post(Delta(text, pending))
+          pending = []
+        if stops.stopped:
+          reason = STOP_STRING
+          break
+      if not stops.stopped:
+        tail = stops.push(decoder.flush())
+        if stops.stopped:
+          reason = STOP_STRING
+        else:
+          tail += stops.flush()
+        if tail or pending:
+          job.post(Delta(tail, pending))
+    finally:
+      steps.close()  # Stops the generation and stores the slot's cache.
+    job.post(Done(FINISH_REASONS.get(reason, reason), len(job.ids), produced,
+                  slot.last_reused))

@@ -1,0 +1,78 @@
+"""`python -m pijax.chat` through a pty (pexpect): turns, streaming, commands, Ctrl-C."""
+
+import os
+import sys
+
+import pexpect
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _spawn(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  child = pexpect.spawn(sys.executable, ["-m", "pijax.chat", *args], cwd=str(ROOT), env=env,
+                        encoding="utf-8", timeout=180)
+  return child
+
+
+def test_chat_keeps_the_conversation_and_stops_on_ctrl_c():
+  c = _spawn("--model=default", "--temperature=0", "--repeat_penalty=1", "--max_seq_len=1024")
+  try:
+    c.expect("/help for commands")
+    c.expect(">>> ")
+    c.sendline("What is the capital of France?")
+    c.expect(">>> ")
+    assert "Paris" in c.before
+    # The follow-up only makes sense with the first turn in the context.
+    c.sendline("And of Germany?")
+    c.expect(">>> ")
+    assert "Berlin" in c.before
+    c.sendline("/help")
+    c.expect("/clear")
+    c.expect(">>> ")
+    c.sendline("/set temperature 0.5")
+    c.expect("temperature = 0.5")
+    c.expect(">>> ")
+    c.sendline("/set temperature -1")
+    c.expect("temperature=-1.0 is invalid")
+    c.expect(">>> ")
+    c.sendline("/set temperature 0")
+    c.expect(">>> ")
+    c.sendline("Write a very long story about a dragon.")
+    c.expect("dragon|Dragon")  # The reply is streaming.
+    c.sendintr()
+    c.expect(r"\(stopped\)")
+    c.expect(">>> ")
+    c.sendline("/clear")
+    c.expect(r"\(conversation cleared\)")
+    c.expect(">>> ")
+    c.sendline("What is the capital of Japan?")
+    c.expect(">>> ")
+    assert "Tokyo" in c.before
+    c.sendintr()  # Ctrl-C at the prompt does not quit.
+    c.expect("Ctrl-D or /bye quits")
+    c.sendline("/bye")
+    c.expect(pexpect.EOF)
+  finally:
+    c.close()
+  assert c.exitstatus == 0
+
+
+def test_ctrl_d_quits():
+  c = _spawn("--model=default")
+  c.expect(">>> ")
+  c.sendeof()
+  c.expect(pexpect.EOF)
+  c.close()
+  assert c.exitstatus == 0
+
+
+def test_bad_flag_is_one_line_exit_2():
+  c = _spawn("--temperature=-2")
+  c.expect(pexpect.EOF)
+  c.close()
+  assert c.exitstatus == 2
+  assert "temperature" in c.before and "Traceback" not in c.before

@@ -1,0 +1,372 @@
+"""The OpenAI-compatible server (`python -m pijax.serve`) through the official `openai` client.
+
+One server process (default model, host weights, 512-token context, --max_queue=8) serves
+every test here (the `server` fixture). Greedy replies are checked against transformers'
+greedy decoding of the same prompt ids (the oracle), up to its first near-tie.
+"""
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = [{"role": "user", "content": "Write a very long story about a dragon and a knight."}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0,
+                       timeout=120)
+
+
+def _sse(server, path, body):
+  """Raw SSE lines ("data: ...") of a streamed request."""
+  with httpx.Client(timeout=120) as c:
+    with c.stream("POST", server["base"] + path, json=body) as r:
+      assert r.status_code == 200
+      assert r.headers["content-type"].startswith("text/event-stream")
+      return [line for line in r.iter_lines() if line]
+
+
+def _tokens_seen(server) -> float:
+  """Tokens the worker has generated so far, cancelled requests included (/metrics)."""
+  text = httpx.get(server["base"] + "/metrics").text
+  total = 0.0
+  for line in text.splitlines():
+    if line.startswith(("pijax_time_to_first_token_seconds_count",
+                        "pijax_time_per_output_token_seconds_count")):
+      total += float(line.split()[-1])
+  return total
+
+
+def _hf_ids(hf_tokenizer, messages):
+  ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+  if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+    ids = ids["input_ids"]
+  return list(ids)
+
+
+def _check_against_oracle(hf_model, hf_tokenizer, prompt_ids, text):
+  from test_model import _hf_greedy
+  ref, ambiguous_at = _hf_greedy(hf_model, prompt_ids, 24)
+  got = hf_tokenizer.encode(text, add_special_tokens=False)
+  n = min(ambiguous_at, len(got), 24) - 1  # The last token may re-tokenize with what follows.
+  assert n >= 4, (ambiguous_at, got)
+  assert got[:n] == ref[:n]
+
+
+def test_health_was_503_while_loading_then_ok(server):
+  statuses = [s for s, _ in server["health"]]
+  assert statuses[-1] == 200 and server["health"][-1][1] == {"status": "ok"}
+  loading = [body for s, body in server["health"] if s == 503]
+  assert loading, "never saw the loading state"
+  assert set(loading[0]["error"]) == {"message", "type", "param", "code"}
+
+
+def test_models_lists_the_served_model(client, server):
+  models = client.models.list().data
+  assert [m.id for m in models] == [server["model"]] == ["SmolLM2-135M-Instruct.Q4_1"]
+
+
+def test_chat_greedy_matches_transformers(client, server, hf_model, hf_tokenizer):
+  r = client.chat.completions.create(model=server["model"], messages=QUESTION, temperature=0,
+                                     max_tokens=24)
+  assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+  choice = r.choices[0]
+  assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+  assert "Paris" in choice.message.content
+  ids = _hf_ids(hf_tokenizer, QUESTION)
+  assert r.usage.prompt_tokens == len(ids)
+  assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+  _check_against_oracle(hf_model, hf_tokenizer, ids, choice.message.content)
+
+
+def test_chat_stream_chunks_and_usage(client, server):
+  kw = dict(model=server["model"], messages=STORY, temperature=0.8, top_p=0.95, seed=7,
+            max_tokens=40)
+  whole = client.chat.completions.create(**kw).choices[0].message.content
+  chunks = list(client.chat.completions.create(**kw, stream=True,
+                                               stream_options={"include_usage": True}))
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+  assert len({c.created for c in chunks}) == 1
+  assert all(c.object == "chat.completion.chunk" for c in chunks)
+  finish = chunks[-2]
+  assert finish.choices[0].finish_reason == "length" and not finish.choices[0].delta.content
+  assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+  usage = chunks[-1]
+  assert usage.choices == [] and usage.usage.completion_tokens == 40
+  assert all(c.usage is None for c in chunks[:-1])
+  streamed = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+  assert streamed == whole and len(whole) > 20
+
+
+def test_stream_ends_with_done_and_no_usage_unless_asked(server):
+  lines = _sse(server, "/v1/chat/completions",
+               {"messages": QUESTION, "stream": True, "max_tokens": 5, "temperature": 0})
+  assert lines[-1] == "data: [DONE]"
+  bodies = [json.loads(line[6:]) for line in lines[:-1]]
+  assert all("usage" not in b for b in bodies)
+  assert bodies[-1]["choices"][0]["delta"] == {}
+  assert bodies[-1]["choices"][0]["finish_reason"] is not None
+
+
+def test_completions_text_and_token_ids(client, server, hf_model, hf_tokenizer):
+  prompt = "The capital of France is"
+  r = client.completions.create(model=server["model"], prompt=prompt, temperature=0,
+                                max_tokens=16)
+  assert r.id.startswith("cmpl-") and r.object == "text_completion"
+  ids = hf_tokenizer.encode(prompt)
+  _check_against_oracle(hf_model, hf_tokenizer, ids, r.choices[0].text)
+  by_ids = client.completions.create(model=server["model"], prompt=ids, temperature=0,
+                                     max_tokens=16)
+  assert by_ids.choices[0].text == r.choices[0].text
+  chunks = list(client.completions.create(model=server["model"], prompt=prompt, temperature=0,
+                                          max_tokens=16, stream=True))
+  assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+  assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def _span_stop(client, server):
+  """A stop string made of the end of one streamed token and the start of the next."""
+  chunks = list(client.completions.create(model=server["model"], prompt="Once upon a time",
+                                          temperature=0, max_tokens=40, stream=True))
+  pieces = [c.choices[0].text for c in chunks if c.choices[0].text]
+  full = "".join(pieces)
+  for i in range(4, len(pieces) - 1):
+    a, b = pieces[i], pieces[i + 1]
+    if len(a) >= 2 and len(b) >= 2:
+      stop = a[-2:] + b[:2]
+      return full, stop, full[:full.find(stop)]
+  raise AssertionError(f"no two adjacent multi-character pieces in {pieces}")
+
+
+def test_stop_string_spanning_two_tokens(client, server):
+  full, stop, expected = _span_stop(client, server)
+  kw = dict(model=server["model"], prompt="Once upon a time", temperature=0, max_tokens=40,
+            stop=["zzzz-never", stop])
+  r = client.completions.create(**kw)
+  assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+  chunks = list(client.completions.create(**kw, stream=True))
+  texts = [c.choices[0].text for c in chunks]
+  assert "".join(texts) == expected
+  assert chunks[-1].choices[0].finish_reason == "stop"
+  # Chat: the same rule through /v1/chat/completions, streamed and not.
+  chat = client.chat.completions.create(model=server["model"], messages=STORY, temperature=0,
+                                        max_tokens=30).choices[0].message.content
+  stop = chat[10:14]
+  expected = chat[:chat.find(stop)]
+  r = client.chat.completions.create(model=server["model"], messages=STORY, temperature=0,
+                                     max_tokens=30, stop=stop)
+  assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+  chunks = list(client.chat.completions.create(model=server["model"], messages=STORY,
+                                               temperature=0, max_tokens=30, stop=stop,
+                                               stream=True))
+  assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+
+
+@pytest.mark.parametrize("change,param", [
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"n": 2}, "n"),
+    ({"model": "gpt-4o"}, "model"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"top_logprobs": 3}, None),
+])
+def test_bad_chat_requests_are_400(client, server, change, param):
+  kw = dict(model=server["model"], messages=QUESTION, max_tokens=4)
+  kw.update(change)
+  with pytest.raises(openai.BadRequestError) as err:
+    client.chat.completions.create(**kw)
+  body = err.value.body
+  assert set(body) == {"message", "type", "param", "code"}
+  assert body["type"] == "invalid_request_error" and body["message"]
+  if param is not None:
+    assert body["param"] == param
+  if "model" in change:
+    assert body["code"] == "model_not_found"
+
+
+def test_unknown_fields_are_ignored(server):
+  r = httpx.post(server["base"] + "/v1/chat/completions",
+                 json={"messages": QUESTION, "max_tokens": 3, "temperature": 0,
+                       "some_future_field": {"x": 1}, "tools_choice_v9": None})
+  assert r.status_code == 200, r.text
+
+
+def test_malformed_json_is_400(server):
+  r = httpx.post(server["base"] + "/v1/chat/completions", content=b"{not json",
+                 headers={"content-type": "application/json"})
+  assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_context_overflow_is_400_naming_both_counts(client, server):
+  long = [{"role": "user", "content": "word " * 700}]
+  with pytest.raises(openai.BadRequestError) as err:
+    client.chat.completions.create(model=server["model"], messages=long, max_tokens=4)
+  body = err.value.body
+  assert body["code"] == "context_length_exceeded"
+  assert "512" in body["message"]
+  n = int(body["message"].split("resulted in ")[1].split()[0])
+  assert n > 512
+  with pytest.raises(openai.BadRequestError) as err:
+    client.completions.create(model=server["model"], prompt="word " * 700, max_tokens=4)
+  assert err.value.body["code"] == "context_length_exceeded"
+
+
+def test_prompt_plus_max_tokens_overflow_stops_with_length(client, server):
+  prompt = "word " * 495
+  r = client.completions.create(model=server["model"], prompt=prompt, max_tokens=200,
+                                temperature=0)
+  assert r.choices[0].finish_reason == "length"
+  assert r.usage.prompt_tokens + r.usage.completion_tokens <= 512 + 1
+  assert 0 < r.usage.completion_tokens < 200
+
+
+def test_eight_concurrent_clients(client, server):
+  prompts = [f"Count from {i} to {i + 5}:" for i in range(8)]
+  expected = [client.completions.create(model=server["model"], prompt=p, temperature=0,
+                                        max_tokens=12).choices[0].text for p in prompts]
+
+  def ask(p):
+    return client.completions.create(model=server["model"], prompt=p, temperature=0,
+                                     max_tokens=12).choices[0].text
+
+  with ThreadPoolExecutor(8) as pool:
+    got = list(pool.map(ask, prompts))
+  assert got == expected
+
+
+def test_streaming_client_that_disconnects_frees_the_worker(server):
+  before = _tokens_seen(server)
+  body = {"messages": STORY, "stream": True, "max_tokens": 400, "temperature": 0}
+  with httpx.Client(timeout=60) as c:
+    with c.stream("POST", server["base"] + "/v1/chat/completions", json=body) as r:
+      lines = []
+      for line in r.iter_lines():
+        if line:
+          lines.append(line)
+        if len(lines) == 3:
+          break  # Leaving the block closes the connection.
+  r = httpx.post(server["base"] + "/v1/chat/completions",
+                 json={"messages": QUESTION, "max_tokens": 5, "temperature": 0}, timeout=60)
+  assert r.status_code == 200
+  # The abandoned generation stopped: far fewer than its 400 tokens were generated.
+  assert _tokens_seen(server) - before < 60
+
+
+def test_non_streaming_client_that_disconnects_frees_the_worker(server):
+  before = _tokens_seen(server)
+  with pytest.raises(httpx.TimeoutException):
+    httpx.post(server["base"] + "/v1/chat/completions",
+               json={"messages": STORY, "max_tokens": 400, "temperature": 0}, timeout=0.5)
+  r = httpx.post(server["base"] + "/v1/chat/completions",
+                 json={"messages": QUESTION, "max_tokens": 5, "temperature": 0}, timeout=60)
+  assert r.status_code == 200
+  assert _tokens_seen(server) - before < 150
+
+
+def test_full_queue_is_503_and_the_server_recovers(server):
+  # One long streamed request holds the worker; 8 more wait (--max_queue=8); the next is 503.
+  stop = threading.Event()
+
+  def hold():
+    with httpx.Client(timeout=60) as c:
+      with c.stream("POST", server["base"] + "/v1/completions",
+                    json={"prompt": "Once upon a time", "max_tokens": 480, "stream": True,
+                          "temperature": 0}) as r:
+        for _ in r.iter_lines():
+          if stop.is_set():
+            return
+
+  holder = threading.Thread(target=hold)
+  holder.start()
+  time.sleep(0.5)
+  clients = [httpx.Client(timeout=60) for _ in range(9)]
+  try:
+    with ThreadPoolExecutor(9) as pool:
+      futures = [pool.submit(c.post, server["base"] + "/v1/completions",
+                             json={"prompt": "Hi", "max_tokens": 1}) for c in clients[:8]]
+      time.sleep(0.5)
+      r = clients[8].post(server["base"] + "/v1/completions",
+                          json={"prompt": "Hi", "max_tokens": 1})
+      stop.set()
+      statuses = [f.result().status_code for f in futures]
+  finally:
+    stop.set()
+    holder.join()
+    for c in clients:
+      c.close()
+  assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
+  assert statuses == [200] * 8
+  assert httpx.get(server["base"] + "/health").status_code == 200
+
+
+def test_follow_up_turn_reuses_the_prefix(client, server, hf_model, hf_tokenizer, smollm2):
+  first = client.chat.completions.create(model=server["model"], messages=QUESTION,
+                                         temperature=0, max_tokens=24)
+  turn2 = QUESTION + [{"role": "assistant", "content": first.choices[0].message.content},
+                      {"role": "user", "content": "And what is the capital of Germany?"}]
+  r = client.chat.completions.create(model=server["model"], messages=turn2, temperature=0,
+                                     max_tokens=24)
+  cached = r.usage.prompt_tokens_details.cached_tokens
+  assert r.usage.prompt_tokens - 20 < cached < r.usage.prompt_tokens
+  # A fresh run: the same engine without a cache, and the transformers oracle.
+  fresh = smollm2.generate(turn2, chat=True, max_new_tokens=24, temperature=0)
+  assert r.choices[0].message.content == fresh.text
+  _check_against_oracle(hf_model, hf_tokenizer, _hf_ids(hf_tokenizer, turn2),
+                        r.choices[0].message.content)
+
+
+def test_logprobs(client, server):
+  r = client.chat.completions.create(model=server["model"], messages=QUESTION, temperature=0,
+                                     max_tokens=6, logprobs=True, top_logprobs=3)
+  content = r.choices[0].logprobs.content
+  assert len(content) == r.usage.completion_tokens
+  for entry in content:
+    assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+    # Greedy: the chosen token is the most likely one.
+    assert entry.top_logprobs[0].token == entry.token
+    assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    assert [t.logprob for t in entry.top_logprobs] == sorted(
+        (t.logprob for t in entry.top_logprobs), reverse=True)
+  text = "".join(e.token for e in content if e.token != "<|im_end|>")
+  assert text == r.choices[0].message.content
+
+
+def test_metrics(server):
+  text = httpx.get(server["base"] + "/metrics").text
+  values = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+  assert values["pijax_prompt_tokens_total"] > 0
+  assert values["pijax_generation_tokens_total"] > 0
+  assert values["pijax_request_latency_seconds_count"] > 0
+  assert 'pijax_requests_total{finish_reason="stop"}' in values
+  assert "pijax_requests_waiting" in values
+
+
+def test_bad_flags_exit_2(server):
+  import subprocess
+  import sys
+  port = int(server["base"].rsplit(":", 1)[1])
+  for args, words in [([f"--port={port}"], "cannot listen"),
+                      (["--port=70000"], "--port"),
+                      (["--model=/nonexistent.gguf"], "does not exist"),
+                      (["--max_queue=0"], "--max_queue")]:
+    p = subprocess.run([sys.executable, "-m", "pijax.serve", *args], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2, (args, p.stderr)
+    assert words in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
