@@ -68,11 +68,18 @@ def _check_port(host: str, port: int) -> None:
 
 
 def warm_up(model) -> float:
-  """Compiles the prefill (short prompts) and decode steps; returns the seconds spent."""
+  """Compiles the decode step and the prefill of every prompt bucket up to one chunk (16, 32,
+  ..., 512 tokens), so no request waits for a compile; returns the seconds spent."""
+  from pijax import engine
   start = time.perf_counter()
   ids = model.encode_prompt("Hello")
   for _ in model.generate_ids(ids, max_new_tokens=2):
     pass
+  n = 2 * engine.MIN_PREFILL_BUCKET
+  while n <= min(engine.PREFILL_CHUNK, model.max_seq_len):
+    for _ in model.generate_ids((ids * n)[:n], max_new_tokens=1):
+      pass
+    n *= 2
   return time.perf_counter() - start
 
 
