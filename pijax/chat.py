@@ -70,6 +70,7 @@ class ChatSession:
     self.settings = dict(settings)
     self.messages: list[dict[str, str]] = []
     self.session = engine.Session(model)
+    self.context_full = False  # The latest reply stopped because the context was full.
 
   def clear(self) -> None:
     self.messages = []
@@ -78,7 +79,6 @@ class ChatSession:
   def set(self, name: str, value: str) -> str:
     """Changes one setting; returns the line to print."""
     from pijax.errors import ConfigError
-    from pijax.sampling import make_sampling_params
     if name == "system":
       self.settings["system"] = value or None
       return f"system = {value!r} (from the next turn on)"
@@ -91,10 +91,7 @@ class ChatSession:
       return f"{name} takes a{'n integer' if kind is int else ' number'}, not {value!r}"
     trial = dict(self.settings, **{name: parsed})
     try:
-      make_sampling_params(**{k: trial[k] for k in ("temperature", "top_k", "top_p", "min_p",
-                                                    "repeat_penalty")})
-      if trial["max_tokens"] < 1:
-        raise ConfigError(f"max_tokens={trial['max_tokens']} must be >= 1.")
+      check_settings(trial)
     except ConfigError as err:
       return str(err)
     self.settings[name] = parsed
@@ -124,7 +121,7 @@ class ChatSession:
     except Exception:
       self.messages.pop()
       raise
-    s["seed"] += 1
+    s["seed"] = s["seed"] + 1 if s["seed"] < 2 ** 63 - 1 else -(2 ** 63)
     pieces: list[str] = []
     stopped = threading.Event()
     previous = None
@@ -141,7 +138,22 @@ class ChatSession:
       if previous is not None:
         signal.signal(signal.SIGINT, previous)
       self.messages.append({"role": "assistant", "content": "".join(pieces)})
+    result = stream.result
+    self.context_full = (result is not None and result.stop_reason == "length"
+                         and len(self.session.ids) + 1 >= self.model.max_seq_len)
     return "".join(pieces), stopped.is_set()
+
+
+def check_settings(settings: dict) -> None:
+  """Raises ConfigError naming the first out-of-range setting."""
+  from pijax.errors import ConfigError
+  from pijax.sampling import make_sampling_params
+  make_sampling_params(**{k: settings[k] for k in ("temperature", "top_k", "top_p", "min_p",
+                                                   "repeat_penalty")})
+  if not 1 <= settings["max_tokens"] <= 2 ** 31 - 1:
+    raise ConfigError(f"max_tokens={settings['max_tokens']} must be in [1, 2**31 - 1].")
+  if not -(2 ** 63) <= settings["seed"] < 2 ** 63:
+    raise ConfigError(f"seed={settings['seed']} must be in [-2**63, 2**63).")
 
 
 def repl(chat: ChatSession, *, stdin=None, stdout=None) -> None:
@@ -187,6 +199,8 @@ def repl(chat: ChatSession, *, stdin=None, stdout=None) -> None:
     try:
       _, stopped = chat.reply(line, write)
       write("\n(stopped)\n" if stopped else "\n")
+      if chat.context_full:
+        write(f"(the context is full: {chat.model.max_seq_len} tokens; /clear starts over)\n")
     except KeyboardInterrupt:
       write("\n(stopped)\n")
     except PijaxError as err:
@@ -204,17 +218,14 @@ def _read(stdin, write) -> str:
 def main(argv: list[str]) -> None:
   del argv
   import pijax
-  from pijax.sampling import make_sampling_params
   cli.check_max_seq_len(_MAX_SEQ_LEN.value)
   settings = {"temperature": _TEMPERATURE.value, "top_k": _TOP_K.value, "top_p": _TOP_P.value,
               "min_p": _MIN_P.value, "repeat_penalty": _REPEAT_PENALTY.value,
               "seed": _SEED.value, "max_tokens": _MAX_TOKENS.value, "system": _SYSTEM.value}
-  make_sampling_params(**{k: settings[k] for k in ("temperature", "top_k", "top_p", "min_p",
-                                                   "repeat_penalty")})
-  if _MAX_TOKENS.value < 1:
-    from pijax.errors import ConfigError
-    raise ConfigError(f"--max_tokens={_MAX_TOKENS.value} must be >= 1.")
+  check_settings(settings)
   sparse_flags.check()
+  from absl import logging as absl_logging
+  absl_logging.set_verbosity(absl_logging.ERROR)  # Log lines would land inside replies.
   model = pijax.load(_MODEL.value, max_seq_len=_MAX_SEQ_LEN.value)
   sparse_flags.configure(model)
   chat = ChatSession(model, settings)

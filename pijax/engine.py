@@ -367,6 +367,9 @@ class Model:
         repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty)
     ids = self.encode_prompt(list(ids) if not isinstance(ids, str) else ids)
+    if session is not None and session.model is not self:
+      raise ConfigError("this Session belongs to another Model (its cache has that model's "
+                        "shapes); make one with Session(model) for this model.")
     if stats is None:
       stats = GenerationStats()
     stats.prompt_tokens = len(ids)
@@ -452,7 +455,8 @@ class Model:
   def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int = 0,
-             chat: bool = False, parse_special: bool = False, stop: Sequence[str] = (),
+             chat: bool = False, parse_special: bool = False,
+             stop: str | Sequence[str] | None = None,
              session: Session | None = None, presence_penalty: float = 0.0,
              frequency_penalty: float = 0.0) -> Stream:
     """Generates text, yielding pieces as they are decoded (never half a UTF-8 character).
@@ -469,8 +473,8 @@ class Model:
         template.
       parse_special: text that looks like a special token becomes that token (default: plain
         text; chat templates always insert real special tokens).
-      stop: stop strings: the text ends before the earliest one generated (stop_reason
-        "stop"); no part of it is ever yielded, even when it spans tokens.
+      stop: a stop string or a list of them: the text ends before the earliest one generated
+        (stop_reason "stop"); no part of it is ever yielded, even when it spans tokens.
       session: a `Session` to reuse the cached prefix of (multi-turn chat) and keep the cache.
       presence_penalty, frequency_penalty: OpenAI's additive penalties (0 = off).
 
@@ -482,6 +486,9 @@ class Model:
       ContextError: empty prompt or a prompt longer than max_seq_len.
     """
     stats = GenerationStats()
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+    if not all(isinstance(s, str) for s in stop):
+      raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}.")
     ids = self.encode_prompt(prompt, chat=chat, parse_special=parse_special)
     steps = self.generate_ids(ids, max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, min_p=min_p,

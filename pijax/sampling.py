@@ -113,7 +113,8 @@ def make_sampling_params(
   valid = "a finite number >= 0 (0 = greedy)"
   t = _as_float("temperature", temperature, valid)
   if not (math.isfinite(t) and t >= 0.0) or not _f32_ok(t, allow_zero=True):
-    raise ConfigError(f"temperature={temperature!r} is invalid; temperature must be {valid}.")
+    raise ConfigError(f"temperature={temperature!r} is invalid; temperature must be {valid}, "
+                      "and 0 or within [1e-30, 1e30] (float32).")
 
   valid = f"an integer in [0, {_INT32_MAX}] (0 = off)"
   if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
@@ -135,7 +136,8 @@ def make_sampling_params(
   r = _as_float("repeat_penalty", repeat_penalty, valid)
   if not (math.isfinite(r) and r > 0.0) or not _f32_ok(r, allow_zero=False):
     raise ConfigError(
-        f"repeat_penalty={repeat_penalty!r} is invalid; repeat_penalty must be {valid}.")
+        f"repeat_penalty={repeat_penalty!r} is invalid; repeat_penalty must be {valid}, "
+        "within [1e-30, 1e30] (float32).")
 
   additive = []
   for name, value in (("presence_penalty", presence_penalty),

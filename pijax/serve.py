@@ -67,7 +67,23 @@ def _check_port(host: str, port: int) -> None:
                         "--port or stop what uses it.") from None
 
 
-def warm_up(model) -> float:
+def _precheck_model(path: str, dtype: str) -> None:
+  """Fails fast (before the port opens) on a model that cannot load: missing, not a GGUF,
+  truncated, an unsupported architecture, a bundle without its manifest, a bad dtype."""
+  from pijax.arch import registry
+  from pijax.formats import bundle as bundle_lib
+  from pijax.formats.gguf import default_model_path, open_gguf
+  from pijax.formats.loader import numpy_dtype
+  numpy_dtype(dtype)
+  if bundle_lib.is_bundle(path):
+    bundle_lib.read_manifest(path)
+    return
+  path = default_model_path() if path == "default" else path
+  reader, metadata = open_gguf(path)
+  registry.config_from_metadata(metadata, path, {t.name for t in reader.tensors})
+
+
+def warm_up(model, stop: threading.Event | None = None) -> float:
   """Compiles the decode step and the prefill of every prompt bucket up to one chunk (16, 32,
   ..., 512 tokens), so no request waits for a compile; returns the seconds spent."""
   from pijax import engine
@@ -77,6 +93,8 @@ def warm_up(model) -> float:
     pass
   n = 2 * engine.MIN_PREFILL_BUCKET
   while n <= min(engine.PREFILL_CHUNK, model.max_seq_len):
+    if stop is not None and stop.is_set():
+      break
     for _ in model.generate_ids((ids * n)[:n], max_new_tokens=1):
       pass
     n *= 2
@@ -102,6 +120,7 @@ def main(argv: list[str]) -> None:
   if model_arg != "default" and not os.path.exists(model_arg):
     raise ConfigError(f"--model={model_arg!r} does not exist; give a GGUF file, a bundle "
                       "folder or 'default'.")
+  _precheck_model(model_arg, _DTYPE.value)
   _check_port(_HOST.value, _PORT.value)
 
   from pijax.server.app import ServerState, create_app
@@ -110,14 +129,26 @@ def main(argv: list[str]) -> None:
   app = create_app(state)
   config = uvicorn.Config(app, host=_HOST.value, port=_PORT.value, log_level="warning",
                           access_log=False, timeout_graceful_shutdown=5)
-  server = uvicorn.Server(config)
+  stopping = threading.Event()
+
+  class Server(uvicorn.Server):
+    def handle_exit(self, sig, frame):
+      # Ctrl-C / SIGTERM: end every job now, so open streams close within the grace period.
+      stopping.set()
+      if state.worker is not None:
+        state.worker.shutdown()
+      super().handle_exit(sig, frame)
+
+  server = Server(config)
 
   def load() -> None:
     import pijax
     try:
       model = pijax.load(model_arg, dtype=_DTYPE.value, max_seq_len=_MAX_SEQ_LEN.value)
       sparse_flags.configure(model)
-      compile_s = warm_up(model) if _WARMUP.value else 0.0
+      compile_s = warm_up(model, stopping) if _WARMUP.value else 0.0
+      if stopping.is_set():
+        return
     except Exception as err:  # Reported as one line; the server then stops with exit 2.
       from host_ops import HostOpError
       from pijax.errors import PijaxError
@@ -135,10 +166,16 @@ def main(argv: list[str]) -> None:
   sys.stderr.write(f"{PROG}: listening on http://{_HOST.value}:{_PORT.value} "
                    f"(loading {model_arg})\n")
   sys.stderr.flush()
-  threading.Thread(target=load, name="pijax-load", daemon=True).start()
-  server.run()
-  if state.worker is not None:
-    state.worker.close()
+  loader = threading.Thread(target=load, name="pijax-load", daemon=True)
+  loader.start()
+  try:
+    server.run()
+  finally:
+    # Threads still inside XLA or numba when the interpreter exits abort it: stop them first.
+    stopping.set()
+    loader.join()
+    if state.worker is not None:
+      state.worker.close()
   if state.error is not None:
     raise ConfigError(f"could not load --model={model_arg}: {state.error}")
 

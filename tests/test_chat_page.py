@@ -95,3 +95,16 @@ def test_stop_button_stops_the_reply(browser, server):
   # The server is free again: the next message is answered.
   _send(browser, "Hi")
   _wait(lambda: browser.execute_script("return messages.length") == 4)
+
+
+def test_a_failed_turn_leaves_the_conversation_as_it_was(browser, server):
+  from selenium.webdriver.common.by import By
+  browser.get(server["base"] + "/")
+  _wait(lambda: browser.find_element(By.ID, "status").text == server["model"])
+  _send(browser, "x " * 700)  # Longer than the server's 512-token context: a 400.
+  _wait(lambda: (_last_reply(browser) or ["", "", ""])[2] == "msg error")
+  assert "maximum context length" in _last_reply(browser)[1]
+  assert browser.execute_script("return messages.length") == 0
+  _send(browser, "Hi")
+  _wait(lambda: browser.execute_script("return messages.length") == 2)
+  assert _last_reply(browser)[2] == "msg assistant"

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore:os.fork\(\) was called:RuntimeWarning")]
 
 
 def _spawn(*args):
@@ -70,9 +71,12 @@ def test_ctrl_d_quits():
   assert c.exitstatus == 0
 
 
-def test_bad_flag_is_one_line_exit_2():
-  c = _spawn("--temperature=-2")
+@pytest.mark.parametrize("flag,words", [("--temperature=-2", "temperature"),
+                                        ("--seed=99999999999999999999999", "seed"),
+                                        ("--max_tokens=0", "max_tokens")])
+def test_bad_flag_is_one_line_exit_2(flag, words):
+  c = _spawn(flag)
   c.expect(pexpect.EOF)
   c.close()
   assert c.exitstatus == 2
-  assert "temperature" in c.before and "Traceback" not in c.before
+  assert words in c.before and "Traceback" not in c.before

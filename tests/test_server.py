@@ -370,3 +370,169 @@ def test_bad_flags_exit_2(server):
     assert p.returncode == 2, (args, p.stderr)
     assert words in p.stderr and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+# ------------------------------------------------------------------ cases (../shared/cases V*)
+def test_v2_a_cancelled_queued_client_does_not_disturb_the_next(server):
+  """V2: two queued clients; the first cancels; the second's reply is complete and unchanged."""
+  body = {"prompt": "The history of Rome", "max_tokens": 24, "temperature": 0.9, "seed": 5}
+  expected = httpx.post(server["base"] + "/v1/completions", json=body, timeout=60).json()
+  hold = threading.Event()
+
+  def long_stream():
+    with httpx.Client(timeout=60) as c:
+      with c.stream("POST", server["base"] + "/v1/completions",
+                    json={"prompt": "Once", "max_tokens": 300, "stream": True}) as r:
+        for _ in r.iter_lines():
+          if hold.is_set():
+            return
+
+  holder = threading.Thread(target=long_stream)
+  holder.start()
+  time.sleep(0.3)
+  with pytest.raises(httpx.TimeoutException):  # Queued behind the stream, then gives up.
+    httpx.post(server["base"] + "/v1/completions", json=dict(body, seed=6), timeout=0.3)
+  result = {}
+  second = threading.Thread(target=lambda: result.update(
+      r=httpx.post(server["base"] + "/v1/completions", json=body, timeout=60)))
+  second.start()
+  time.sleep(0.3)
+  hold.set()
+  holder.join()
+  second.join()
+  r = result["r"]
+  assert r.status_code == 200
+  assert r.json()["choices"][0]["text"] == expected["choices"][0]["text"]
+  assert r.json()["usage"]["completion_tokens"] == expected["usage"]["completion_tokens"]
+
+
+def test_v3_streamed_emoji_is_valid_utf8_json_without_replacement_chars(server):
+  body = {"messages": [{"role": "user", "content": "Repeat exactly: 🦙🦙🦙 llama 🦙"}],
+          "max_tokens": 20, "temperature": 0}
+  whole = httpx.post(server["base"] + "/v1/chat/completions", json=body,
+                     timeout=60).json()["choices"][0]["message"]["content"]
+  lines = _sse(server, "/v1/chat/completions", dict(body, stream=True))
+  pieces = []
+  for line in lines[:-1]:
+    chunk = json.loads(line[6:])
+    pieces.append(chunk["choices"][0]["delta"].get("content") or "")
+  assert "🦙" in whole and "\ufffd" not in "".join(pieces)
+  assert "".join(pieces) == whole
+
+
+def test_sampling_values_the_engine_refuses_are_400_before_queueing(server):
+  for change, param in [({"top_k": 3_000_000_000}, "top_k"),
+                        ({"temperature": 1e-39}, "temperature"),
+                        ({"repeat_penalty": 1e38}, "repeat_penalty")]:
+    for stream in (False, True):
+      body = {"messages": QUESTION, "max_tokens": 3, "stream": stream, **change}
+      r = httpx.post(server["base"] + "/v1/chat/completions", json=body, timeout=60)
+      assert r.status_code == 400, (change, r.text)
+      assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("content,words,param", [
+    (b"[]", "must be a JSON object", None),
+    (b"", "body is empty", None),
+    (json.dumps({"messages": QUESTION, "top_logprobs": 2}).encode(), "logprobs", "top_logprobs"),
+    (json.dumps({"prompt": [1, 2.5]}).encode(), "list of token ids", "prompt"),
+    (json.dumps({"messages": QUESTION, "model": "\ud800"}).encode(), "not served", "model"),
+    (json.dumps({"messages": QUESTION, "stream": "yes"}).encode(), "stream", "stream"),
+    (json.dumps({"messages": QUESTION, "max_tokens": True}).encode(), "max_tokens",
+     "max_tokens"),
+])
+def test_malformed_bodies_get_a_message_naming_the_problem(server, content, words, param):
+  path = "/v1/completions" if b'"prompt"' in content else "/v1/chat/completions"
+  r = httpx.post(server["base"] + path, content=content,
+                 headers={"content-type": "application/json"}, timeout=60)
+  assert r.status_code == 400, r.text
+  err = r.json()["error"]
+  assert words in err["message"] and err["param"] == param
+  # The connection and the server stay usable.
+  assert httpx.get(server["base"] + "/health").status_code == 200
+
+
+def test_oversized_body_is_413(server):
+  r = httpx.post(server["base"] + "/v1/completions",
+                 content=json.dumps({"prompt": "x" * (9 << 20)}).encode(),
+                 headers={"content-type": "application/json"}, timeout=60)
+  assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_v6_template_exception_is_400_with_its_message(tmp_path):
+  """A chat that breaks the template's rules: 400 with the template's own message (in-process
+  server on a tiny model whose template calls raise_exception)."""
+  import asyncio
+  import uvicorn
+  import pijax
+  from conftest import free_port
+  from tiny_models import make_hf_llama, write_gguf
+  from pijax.server.app import ServerState, create_app
+  template = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+              "{{ raise_exception('System messages must come first') }}{% endif %}"
+              "{{ m['content'] }}{% endfor %}")
+  path = write_gguf(make_hf_llama(), tmp_path / "tiny.gguf", chat_template=template)
+  model = pijax.load(str(path), max_seq_len=64)
+  state = ServerState("tiny")
+  state.attach(model)
+  port = free_port()
+  server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port,
+                                         log_level="warning"))
+  thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+  thread.start()
+  try:
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+      time.sleep(0.05)
+    msgs = [{"role": "user", "content": "ab"}, {"role": "system", "content": "b"}]
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                   json={"messages": msgs, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400
+    assert "System messages must come first" in r.json()["error"]["message"]
+    ok = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                    json={"messages": msgs[::-1], "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200, ok.text
+  finally:
+    server.should_exit = True
+    thread.join(timeout=30)
+    state.worker.close()
+
+
+def test_sigint_while_streaming_ends_the_stream_and_exits_cleanly():
+  """Ctrl-C during a reply: the stream ends with an error event and [DONE], the server exits
+  with one line, status 130, no traceback and no abort."""
+  import signal
+  import subprocess
+  import sys
+  from conftest import ROOT, free_port
+  port = free_port()
+  proc = subprocess.Popen([sys.executable, "-m", "pijax.serve", "--model=default",
+                           f"--port={port}", "--max_seq_len=1024", "--warmup=false"],
+                          stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
+  base = f"http://127.0.0.1:{port}"
+  try:
+    deadline = time.time() + 120
+    while time.time() < deadline:
+      try:
+        if httpx.get(base + "/health").status_code == 200:
+          break
+      except httpx.TransportError:
+        pass
+      time.sleep(0.2)
+    lines = []
+    with httpx.Client(timeout=60) as c:
+      with c.stream("POST", base + "/v1/chat/completions",
+                    json={"messages": STORY, "max_tokens": 900, "stream": True}) as r:
+        for line in r.iter_lines():
+          if line:
+            lines.append(line)
+          if len(lines) == 3:
+            proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert lines[-1] == "data: [DONE]"
+  assert "shutting down" in lines[-2]
+  assert proc.returncode == 130, err
+  assert "Traceback" not in err and "Fatal" not in err

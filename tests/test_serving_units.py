@@ -149,3 +149,23 @@ def test_stop_strings_in_the_library_stream(model):
   stop = full.text[8:12]
   cut = model.generate("Once upon a time", max_new_tokens=24, stop=[stop])
   assert cut.text == full.text[:full.text.find(stop)] and cut.stop_reason == "stop"
+
+
+@pytest.mark.slow
+def test_stop_given_as_one_string_or_none(model):
+  full = model.generate("Once upon a time", max_new_tokens=24)
+  stop = full.text[8:12]
+  assert model.generate("Once upon a time", max_new_tokens=24, stop=stop).text == \
+      full.text[:full.text.find(stop)]
+  assert model.generate("Once upon a time", max_new_tokens=24, stop=None).text == full.text
+  with pytest.raises(ConfigError, match="stop"):
+    model.generate("Once upon a time", max_new_tokens=4, stop=[3])
+
+
+def test_session_of_another_model_is_refused(smollm2_path):
+  import pijax
+  from pijax.engine import Session
+  a = pijax.load(smollm2_path, max_seq_len=64)
+  b = pijax.load(smollm2_path, max_seq_len=128)
+  with pytest.raises(ConfigError, match="another Model"):
+    b.generate_ids(b.encode_prompt("Hi"), max_new_tokens=2, session=Session(a))

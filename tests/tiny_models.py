@@ -46,7 +46,7 @@ def make_hf_llama(*, hidden_act: str = "silu", seed: int = 0, vocab: int = 256,
 
 def write_gguf(model, path: pathlib.Path, *, ffn_activation: str | None = None,
                alignment: int | None = None, qtype: str = "F32",
-               interleave_rope: bool = True) -> pathlib.Path:
+               interleave_rope: bool = True, chat_template: str | None = None) -> pathlib.Path:
   """Writes a transformers Llama as a llama-architecture GGUF (matrices F32, F16 or Q8_0).
 
   interleave_rope=False keeps transformers' Q/K row order (the NeoX / "half" RoPE layout), for
@@ -79,6 +79,8 @@ def write_gguf(model, path: pathlib.Path, *, ffn_activation: str | None = None,
   w.add_token_merges(["a b"])
   w.add_bos_token_id(0)
   w.add_eos_token_id(1)
+  if chat_template is not None:
+    w.add_chat_template(chat_template)
   dt = np.float16 if qtype == "F16" else np.float32
 
   def add(name: str, arr: np.ndarray) -> None:

@@ -28,9 +28,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pijax.errors import ContextLengthError, PijaxError
 from pijax.server import metrics as metrics_lib
 from pijax.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from pijax.server.worker import Delta, Done, Failed, Job, QueueFull, Worker
+from pijax.server.worker import Cancelled, Delta, Done, Failed, Job, QueueFull, Worker
 
 _STATIC = os.path.join(os.path.dirname(__file__), "static")
+MAX_BODY_BYTES = 8 << 20  # Larger request bodies get 413 before they are parsed or tokenized.
 
 
 class ServerState:
@@ -63,7 +64,17 @@ class ServerState:
 
 def _error(status: int, message: str, *, type: str = "invalid_request_error",
            param: str | None = None, code: str | int | None = None) -> JSONResponse:
+  # Request text quoted in a message may hold lone surrogates, which UTF-8 JSON cannot carry.
+  message = message.encode("utf-8", "backslashreplace").decode("utf-8")
   return JSONResponse(error_body(message, type=type, param=param, code=code), status_code=status)
+
+
+# Plain words for union fields, where pydantic would report only the first type it tried.
+_UNION_HINTS = {
+    "prompt": "must be a string, a list of token ids (integers), or a list of one of those",
+    "content": "must be a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
+    "stop": "must be a string or a list of strings",
+}
 
 
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
@@ -74,10 +85,20 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
   param = ".".join(loc) or None
   msg = first.get("msg", "invalid value")
   msg = msg.removeprefix("Value error, ")
-  if first.get("type") == "json_invalid":
+  kind = first.get("type")
+  if kind == "json_invalid":
     return "the request body is not valid JSON; send a JSON object.", None
-  if first.get("type") == "missing":
+  if param is None:
+    if kind == "missing":
+      return "the request body is empty; send a JSON object with the request fields.", None
+    return ("the request body must be a JSON object (Content-Type: application/json) with "
+            "the request fields.", None)
+  if kind == "missing":
     return f"'{param}' is a required field.", param
+  last = [p for p in loc if not p.isdigit()][-1]
+  if last in _UNION_HINTS and kind in ("string_type", "int_type", "list_type", "int_from_float",
+                                       "int_parsing", "literal_error", "model_type"):
+    return f"invalid value for '{param}': {last} {_UNION_HINTS[last]}.", param
   return f"invalid value for '{param}': {msg}.", param
 
 
@@ -94,6 +115,14 @@ def create_app(state: ServerState) -> FastAPI:
   async def _invalid(request: Request, err: RequestValidationError):
     message, param = _validation_message(err)
     return _error(400, message, param=param)
+
+  @app.middleware("http")
+  async def _limit_body(request: Request, call_next):
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+      return _error(413, f"the request body is {int(size)} bytes; at most {MAX_BODY_BYTES} "
+                    "are accepted.", code="request_too_large")
+    return await call_next(request)
 
   @app.exception_handler(StarletteHTTPException)
   async def _http_error(request: Request, err: StarletteHTTPException):
@@ -119,7 +148,8 @@ def create_app(state: ServerState) -> FastAPI:
     model = state.model
     return {"object": "list", "data": [{
         "id": state.model_id, "object": "model", "created": state.created, "owned_by": "pijax",
-        "meta": {"path": model.path, "max_seq_len": model.max_seq_len,
+        "meta": {"file": os.path.basename(os.path.normpath(model.path)),
+                 "max_seq_len": model.max_seq_len,
                  "vocab_size": model.config.vocab_size, "weights": model.weights_label}}]}
 
   @app.get("/metrics")
@@ -146,10 +176,13 @@ def create_app(state: ServerState) -> FastAPI:
     if (err := not_ready()) is not None:
       return err
     if req.model is not None and req.model != state.model_id:
-      return _error(400, f"the model '{req.model}' is not served here; this server serves "
+      return _error(400, f"the model {req.model!r} is not served here; this server serves "
                     f"'{state.model_id}' (GET /v1/models).", param="model",
                     code="model_not_found")
     model = state.model
+    sampling = req.sampling_kwargs()
+    if (bad := _check_sampling(sampling)) is not None:
+      return bad
     try:
       ids = await run_in_threadpool(_encode, model, req, chat)
     except ContextLengthError as e:
@@ -166,7 +199,6 @@ def create_app(state: ServerState) -> FastAPI:
       top_logprobs = req.top_logprobs or 0
     elif not chat and req.logprobs is not None:
       top_logprobs = req.logprobs
-    sampling = req.sampling_kwargs()
     sampling["seed"] = seed if seed < 2 ** 63 else seed - 2 ** 64
     job = Job(ids, max_tokens=req.token_limit(), sampling=sampling, stop=req.stop_strings(),
               top_logprobs=top_logprobs)
@@ -187,6 +219,22 @@ def create_app(state: ServerState) -> FastAPI:
       watcher.cancel()
 
   return app
+
+
+def _check_sampling(sampling: dict[str, Any]) -> JSONResponse | None:
+  """400 naming the field when the engine would refuse a sampling value (float32 range)."""
+  from pijax.errors import ConfigError
+  from pijax.sampling import make_sampling_params
+  try:
+    make_sampling_params(**sampling)
+    return None
+  except ConfigError as err:
+    for name, value in sampling.items():
+      try:
+        make_sampling_params(**{name: value})
+      except ConfigError:
+        return _error(400, str(err), param=name)
+    return _error(400, str(err))
 
 
 def _encode(model, req, chat: bool) -> list[int]:
@@ -240,11 +288,11 @@ class _Reply:
       offset += len(t["token"])
     return out
 
-  async def _events(self) -> AsyncIterator[Delta | Done | Failed]:
+  async def _events(self) -> AsyncIterator[Delta | Done | Failed | Cancelled]:
     while True:
       event = await self.job.events.get()
       yield event
-      if isinstance(event, (Done, Failed)):
+      if isinstance(event, (Done, Failed, Cancelled)):
         return
 
   async def whole(self) -> JSONResponse:
@@ -258,9 +306,12 @@ class _Reply:
   async def _whole(self) -> JSONResponse:
     text, tokens = [self.prompt_text], []
     async for event in self._events():
+      if isinstance(event, Cancelled):  # The client left: nobody reads this answer.
+        self.state.metrics.finished(self.job, "cancelled")
+        return _error(503, "the request was cancelled.", type="server_error")
       if isinstance(event, Failed):
         self.state.metrics.finished(self.job, "error")
-        return _error(event.status, event.message, type=event.type)
+        return _error(event.status, event.message, type=event.type, code=event.code)
       if isinstance(event, Delta):
         text.append(event.text)
         tokens += event.tokens
@@ -300,10 +351,13 @@ class _Reply:
         yield self._chunk({"index": 0, "text": self.prompt_text, "logprobs": None,
                            "finish_reason": None})
       async for event in self._events():
+        if isinstance(event, Cancelled):
+          return
         if isinstance(event, Failed):
           finished = True
           self.state.metrics.finished(self.job, "error")
-          yield f"data: {json.dumps(error_body(event.message, type=event.type))}\n\n"
+          body = error_body(event.message, type=event.type, code=event.code)
+          yield f"data: {json.dumps(body)}\n\n"
           yield "data: [DONE]\n\n"
           return
         if isinstance(event, Delta):

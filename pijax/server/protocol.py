@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 ROLES = ("system", "developer", "user", "assistant")  # "developer" is OpenAI's newer "system".
 MAX_STOP_STRINGS = 16
@@ -26,7 +26,7 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 
 class StreamOptions(BaseModel):
   model_config = ConfigDict(extra="ignore")
-  include_usage: bool = False
+  include_usage: StrictBool = False
 
 
 class ContentPart(BaseModel):
@@ -61,19 +61,19 @@ class _Sampling(BaseModel):
   """Fields shared by chat and text completions."""
   model_config = ConfigDict(extra="ignore")
   model: str | None = None
-  max_tokens: int | None = Field(default=None, ge=1)
+  max_tokens: StrictInt | None = Field(default=None, ge=1)
   temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
   top_p: float = Field(default=1.0, ge=0.0, le=1.0)
-  top_k: int = Field(default=0, ge=-1)  # -1 or 0: off.
+  top_k: StrictInt = Field(default=0, ge=-1)  # -1 or 0: off.
   min_p: float = Field(default=0.0, ge=0.0, le=1.0)
   repeat_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
   presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
   frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-  seed: int | None = Field(default=None, ge=-(2 ** 63), lt=2 ** 64)
+  seed: StrictInt | None = Field(default=None, ge=-(2 ** 63), lt=2 ** 64)
   stop: str | list[str] | None = None
-  stream: bool = False
+  stream: StrictBool = False
   stream_options: StreamOptions | None = None
-  n: int = Field(default=1, ge=1, le=1)  # One choice per request.
+  n: StrictInt = Field(default=1, ge=1, le=1)  # One choice per request.
   user: str | None = None
 
   @pydantic.field_validator("stop")
@@ -102,15 +102,16 @@ class _Sampling(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
   messages: list[Message] = Field(min_length=1)
-  max_completion_tokens: int | None = Field(default=None, ge=1)
-  logprobs: bool = False
-  top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+  max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+  logprobs: StrictBool = False
+  top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
-  @pydantic.model_validator(mode="after")
-  def _top_logprobs_needs_logprobs(self):
-    if self.top_logprobs is not None and not self.logprobs:
+  @pydantic.field_validator("top_logprobs")
+  @classmethod
+  def _top_logprobs_needs_logprobs(cls, value, info):
+    if value is not None and not info.data.get("logprobs"):
       raise ValueError("top_logprobs needs logprobs=true")
-    return self
+    return value
 
   def token_limit(self) -> int | None:
     return self.max_completion_tokens if self.max_completion_tokens is not None \
@@ -119,10 +120,10 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
   # Text, token ids, or a batch of one of either (n and batches above 1 are refused).
-  prompt: str | list[int] | list[str] | list[list[int]]
-  max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions.
-  logprobs: int | None = Field(default=None, ge=0, le=5)
-  echo: bool = False
+  prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+  max_tokens: StrictInt | None = Field(default=16, ge=1)  # OpenAI's default for completions.
+  logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+  echo: StrictBool = False
 
   @pydantic.field_validator("prompt")
   @classmethod

@@ -14,9 +14,9 @@ used slot, so a follow-up turn prefills only its new tokens (llama-server's `cac
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from typing import Any, Callable
@@ -53,6 +53,12 @@ class Failed:
   status: int
   message: str
   type: str = "server_error"
+  code: str | None = None
+
+
+@dataclasses.dataclass
+class Cancelled:
+  """The job was cancelled (its client left, or the server shuts down) and will not finish."""
 
 
 class Job:
@@ -80,7 +86,8 @@ class Job:
     self.submitted = time.perf_counter()
 
   def cancel(self) -> None:
-    """Stops the generation before its next step (or before it starts)."""
+    """Stops the generation before its next step (or before it starts); the job then ends
+    with a `Cancelled` event."""
     self.cancelled.set()
 
   def post(self, event) -> None:
@@ -105,9 +112,9 @@ class Worker:
     from pijax import engine
     self.model = model
     self.max_queue = int(max_queue)
-    self._queue: queue.Queue = queue.Queue()
-    self._waiting = 0
-    self._lock = threading.Lock()
+    self._queue: collections.deque[Job] = collections.deque()
+    self._cond = threading.Condition()
+    self._closing = False
     self._slots = [engine.Session(model) for _ in range(max(1, int(cache_slots)))]
     self._used = [0.0] * len(self._slots)
     self.on_token = on_token
@@ -117,34 +124,59 @@ class Worker:
 
   @property
   def waiting(self) -> int:
-    return self._waiting
+    """Jobs queued behind the running one (cancelled ones and one about to start not counted)."""
+    with self._cond:
+      return self._waiting_locked()
+
+  def _waiting_locked(self) -> int:
+    live = sum(1 for job in self._queue if not job.cancelled.is_set())
+    # A job queued while the worker is idle starts at once: it does not wait.
+    return max(0, live - (1 if self.running is None else 0))
 
   def submit(self, job: Job) -> None:
     """Queues a job (FIFO). Raises QueueFull when max_queue jobs already wait."""
-    with self._lock:
-      if self._waiting >= self.max_queue:
-        raise QueueFull(f"the server is busy: {self._waiting} requests are already waiting "
-                        f"(--max_queue={self.max_queue}); retry later.")
-      self._waiting += 1
-    self._queue.put(job)
+    with self._cond:
+      if self._closing:
+        raise QueueFull("the server is shutting down; retry later.")
+      self._queue = collections.deque(j for j in self._queue if not j.cancelled.is_set())
+      if self._waiting_locked() >= self.max_queue:
+        raise QueueFull(f"the server is busy: {self._waiting_locked()} requests are already "
+                        f"waiting (--max_queue={self.max_queue}); retry later.")
+      self._queue.append(job)
+      self._cond.notify()
 
-  def close(self) -> None:
-    """Stops the thread after the running job and frees the cache slots."""
-    self._queue.put(None)
-    self._thread.join(timeout=30)
-    for slot in self._slots:
-      slot.close()
+  def shutdown(self) -> None:
+    """Cancels the running and queued jobs (each ends with a `Failed` 503 event) and refuses
+    new ones; the thread stops after the current decode step."""
+    with self._cond:
+      self._closing = True
+      jobs = list(self._queue) + ([self.running] if self.running is not None else [])
+      self._queue.clear()
+      self._cond.notify()
+    for job in jobs:
+      job.cancel()
+      job.post(Failed(503, "the server is shutting down; retry later.", code="server_busy"))
+
+  def close(self, timeout: float = 30.0) -> None:
+    """`shutdown`, then waits for the thread and frees the cache slots."""
+    self.shutdown()
+    self._thread.join(timeout=timeout)
+    if not self._thread.is_alive():
+      for slot in self._slots:
+        slot.close()
 
   def _loop(self) -> None:
     while True:
-      job = self._queue.get()
-      if job is None:
-        return
-      with self._lock:
-        self._waiting -= 1
-      if job.cancelled.is_set():
-        continue
-      self.running = job
+      with self._cond:
+        while not self._queue and not self._closing:
+          self._cond.wait()
+        if self._closing:
+          return
+        job = self._queue.popleft()
+        if job.cancelled.is_set():
+          job.post(Cancelled())
+          continue
+        self.running = job
       try:
         self._run(job)
       except PijaxError as err:
@@ -153,7 +185,8 @@ class Worker:
         logging.exception("generation failed")
         job.post(Failed(500, f"generation failed: {type(err).__name__}: {err}"))
       finally:
-        self.running = None
+        with self._cond:
+          self.running = None
 
   def _slot_for(self, ids: list[int]) -> int:
     best = max(range(len(self._slots)), key=lambda i: (self._slots[i].reusable(ids),
@@ -196,6 +229,7 @@ class Worker:
     try:
       for step in steps:
         if job.cancelled.is_set():
+          job.post(Cancelled())
           return
         if step.stop_reason is not None:
           reason = step.stop_reason
