@@ -74,6 +74,23 @@ class ConvertOptions:
   progress: bool = True
 
 
+def check_budget(cfg, opts: ConvertOptions) -> None:
+  """Refuses a device budget that cannot hold the dense part, before any profiling.
+
+  A dry-run placement with the smallest predictors the rank ladder allows (a lower bound of
+  what the real placement needs) and flat activation frequencies.
+
+  Raises:
+    BudgetError: the dense part (or the --hot_ratio split) does not fit the budget.
+  """
+  ranks = [int(min(opts.ranks))] * cfg.n_layers if len(opts.ranks) else []
+  placement_lib.place(
+      cfg, np.full((cfg.n_layers, cfg.intermediate_size), 0.5, np.float32),
+      budget_bytes=opts.device_budget_bytes, max_seq_len=opts.max_seq_len,
+      dtype_bytes=_DTYPE_BYTES[opts.device_dtype], predictor_ranks=ranks, tile=opts.tile,
+      hot_ratio=opts.hot_ratio)
+
+
 def convert(model, opts: ConvertOptions) -> dict[str, Any]:
   """Profiles, trains predictors, places neurons and writes the bundle; returns the manifest.
 
@@ -91,6 +108,7 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
                       f"{sorted(_DTYPE_BYTES)}.")
   layer_weights = (placement_lib.load_cost_model(opts.cost_model, cfg.n_layers)
                    if opts.cost_model else None)
+  check_budget(cfg, opts)
   workdir = opts.workdir or tempfile.mkdtemp(
       prefix="pijax-convert-", dir=os.path.dirname(os.path.abspath(opts.out)) or None)
   try:

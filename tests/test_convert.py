@@ -132,6 +132,26 @@ def test_convert_refuses_existing_out_and_tiny_budget(converted, shared_dir, tmp
   assert not [p for p in os.listdir(tmp_path) if p.startswith("tiny_budget.tmp")]
 
 
+def test_budget_too_small_fails_before_profiling(smollm2, shared_dir, tmp_path, monkeypatch):
+  """A budget that cannot hold the dense part is refused at once, not after profiling."""
+  from pijax import convert as convert_mod
+  from pijax.errors import BudgetError
+
+  def no_profiling(*args, **kwargs):
+    raise AssertionError("profiling started although the budget cannot hold the dense part")
+
+  monkeypatch.setattr(convert_mod, "profile_model", no_profiling)
+  opts = convert_mod.ConvertOptions(
+      calibration=str(shared_dir / "data" / "tinyshakespeare" / "input.txt"),
+      out=str(tmp_path / "b"), device_budget_bytes=int(0.1e9), ranks=(16, 32), progress=False)
+  with pytest.raises(BudgetError, match="dense part needs"):
+    convert_mod.convert(smollm2, opts)
+  opts.device_budget_bytes, opts.hot_ratio = int(0.4e9), 1.0  # Dense fits, all neurons do not.
+  with pytest.raises(BudgetError, match="hot_ratio=1.0"):
+    convert_mod.convert(smollm2, opts)
+  assert not (tmp_path / "b").exists()
+
+
 @pytest.mark.parametrize("manifest", [
     [1, 2],
     {"format": bundle_lib.BUNDLE_FORMAT, "version": bundle_lib.BUNDLE_VERSION},
