@@ -61,7 +61,8 @@ def test_page_streams_a_reply_and_keeps_the_conversation(browser, server):
   from selenium.webdriver.common.by import By
   browser.get(server["base"] + "/")
   _wait(lambda: browser.find_element(By.ID, "status").text == server["model"])
-  _send(browser, "Tell me a long story about a lighthouse keeper.")
+  # Short enough that the follow-up turn, history included, fits the server's 512-token context.
+  _send(browser, "Tell me a story about a lighthouse keeper in three sentences.")
   lengths = set()
 
   def done():
@@ -76,7 +77,10 @@ def test_page_streams_a_reply_and_keeps_the_conversation(browser, server):
   assert len(lengths) >= 3, "the reply did not arrive in pieces"
   assert browser.execute_script("return messages.length") == 2
   _send(browser, "What was his name?")
-  _wait(lambda: browser.execute_script("return messages.length") == 4)
+  _wait(lambda: (_last_reply(browser) or ["", "", ""])[0] == "done"
+        and len(browser.find_elements(By.CSS_SELECTOR, ".msg")) == 4)
+  assert _last_reply(browser)[2] == "msg assistant", _last_reply(browser)
+  assert browser.execute_script("return messages.length") == 4
   assert browser.execute_script("return messages[2].content") == "What was his name?"
 
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.filterwarnings("ignore:os.fork\(\) was called:RuntimeWarning")]
+              pytest.mark.filterwarnings(r"ignore:os.fork\(\) was called:RuntimeWarning")]
 
 
 def _spawn(*args):
