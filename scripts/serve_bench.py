@@ -107,7 +107,9 @@ def main() -> None:
            f"--max_queue={max(16, args.requests)}"]
     if args.host_threads:
       cmd.append(f"--host_threads={args.host_threads}")
-    proc = subprocess.Popen(cmd, cwd=ROOT)
+    import tempfile
+    log = tempfile.NamedTemporaryFile("w+", prefix="serve_bench-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     import httpx2 as httpx
     while True:
@@ -117,7 +119,7 @@ def main() -> None:
       except httpx.TransportError:
         pass
       if proc.poll() is not None:
-        sys.exit("the server exited")
+        sys.exit("the server exited: " + open(log.name).read())
       time.sleep(0.2)
   if base is None:
     sys.exit("give --base_url or --spawn")

@@ -108,6 +108,7 @@ def test_a_failed_turn_leaves_the_conversation_as_it_was(browser, server):
   _send(browser, "x " * 700)  # Longer than the server's 512-token context: a 400.
   _wait(lambda: (_last_reply(browser) or ["", "", ""])[2] == "msg error")
   assert "maximum context length" in _last_reply(browser)[1]
+  assert "Press Clear" in _last_reply(browser)[1]
   assert browser.execute_script("return messages.length") == 0
   _send(browser, "Hi")
   _wait(lambda: browser.execute_script("return messages.length") == 2)
