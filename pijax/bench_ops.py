@@ -47,6 +47,10 @@ Columns: time/call (median), bytes read = mean over the timed calls of (active n
 per neuron: 3 D * 4 f32, 3 D * 1.125 q8, 3 D * 2 bf16), GB/s = bytes read / time/call, vs dense =
 this row's GB/s / GB/s of the same op, format and shape at 0% sparsity ("-" when 0 is not among
 --sparsities). Issue target: >= 70% at 90% sparsity, LLaMA-2-7B shapes.
+
+The machine line also gives the memory read bandwidth (`read_bandwidth`: the best of 5 integer-sum
+passes over a buffer of the cold target's size, with --threads threads; --nobandwidth skips it),
+the ceiling of every bandwidth-bound row.
 """
 
 from __future__ import annotations
@@ -208,9 +212,12 @@ def machine_info(threads: int | None = None, backend: str | None = None) -> dict
 
 
 def format_machine(info: dict[str, Any]) -> str:
-  """`machine: <lscpu Model name>, <cores> cores, L3 <MiB>; numba <v>, <t> threads[; jax ...]`."""
-  line = (f"machine: {info['cpu']}, {info['cores']} cores, L3 {info['l3_bytes'] / 2**20:.0f} MiB; "
-          f"numba {info['numba']}, {info['threads']} threads")
+  """`machine: <lscpu Model name>, <cores> cores, L3 <MiB>[, read bandwidth <GB/s>]; numba <v>,
+  <t> threads[; jax ...]`."""
+  bandwidth = (f", read bandwidth {info['read_gb_s']:.1f} GB/s ({info['threads']} threads)"
+               if info.get("read_gb_s") else "")
+  line = (f"machine: {info['cpu']}, {info['cores']} cores, L3 {info['l3_bytes'] / 2**20:.0f} MiB"
+          f"{bandwidth}; numba {info['numba']}, {info['threads']} threads")
   if info.get("backend"):
     line += f"; jax {info['jax']}, backend {info['backend']} ({info['device']})"
   return line
@@ -255,6 +262,40 @@ def _read_lines(buf, lo, hi):
   for j in range(lo, hi, _LINE_INT64):
     s += buf[j]
   return s
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def _read_all(buf, n_threads):
+  """Sum of every int32 of buf, split in n_threads contiguous shares (integer adds vectorize
+  without fastmath, so the loop runs at memory speed, not at the adder's)."""
+  n = buf.shape[0]
+  partial = np.zeros(n_threads, np.int64)
+  for t in numba.prange(n_threads):
+    lo = t * n // n_threads
+    hi = (t + 1) * n // n_threads
+    acc = 0
+    for i in range(lo, hi):
+      acc += buf[i]
+    partial[t] = acc
+  return partial.sum()
+
+
+def read_bandwidth(nbytes: float, threads: int, repeats: int = 5) -> float:
+  """Memory read bandwidth (10^9 bytes/s): the best of `repeats` passes over a fresh buffer of
+  `nbytes` (make it a few times the L3 size so the passes come from DRAM) with `threads`
+  numba threads. The ceiling a bandwidth-bound kernel (decode's matrix-vector products) can
+  reach on this machine."""
+  from host_ops import _common as host_common
+  host_common.set_host_threads(threads)
+  n_threads = host_common.ensure_host_threads()
+  buf = np.ones(max(int(nbytes) // 4, 1 << 16), np.int32)  # Written: real pages, not zero pages.
+  _read_all(buf[: 1 << 16], n_threads)  # Compile (or load from cache) before timing.
+  best = math.inf
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    _read_all(buf, n_threads)
+    best = min(best, time.perf_counter() - t0)
+  return buf.nbytes / best / 1e9
 
 
 # ------------------------------------------------------------------ rows
@@ -736,6 +777,8 @@ def main(argv: list[str]) -> None:
   info = machine_info(opts.threads, backend if OP_PALLAS in opts.ops else None)
   cold = opts.cold_bytes or COLD_FACTOR * info["l3_bytes"]
   opts.cold_bytes = cold
+  if OP_HOST in opts.ops and f.bandwidth:
+    info["read_gb_s"] = read_bandwidth(min(cold, opts.max_bytes / 2), opts.threads)
   progress = (lambda s: print(s, file=sys.stderr, flush=True)) if f.progress else None
   rows = run(opts, log=progress)
   if opts.output == "json":
@@ -770,4 +813,6 @@ if __name__ == "__main__":
   flags.DEFINE_float("cold_mb", None, "Bytes (MB) read between two reads of one layer copy; "
                      "default 2.3 x the L3 size.")
   flags.DEFINE_boolean("progress", True, "Progress lines on stderr.")
+  flags.DEFINE_boolean("bandwidth", True, "Measure the memory read bandwidth (a pass over "
+                       "--cold_mb of memory, default 2.3 x L3) and print it on the machine line.")
   cli.run(main, "pijax.bench_ops")

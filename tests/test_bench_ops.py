@@ -185,3 +185,16 @@ def test_cli_bad_flags(flag):
   err = proc.stderr.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("pijax.bench_ops: error:"), proc.stderr
   assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_read_bandwidth_is_a_positive_rate():
+  gb_s = bo.read_bandwidth(64e6, threads=2, repeats=2)
+  assert 0.1 < gb_s < 10_000
+
+
+def test_cli_prints_the_read_bandwidth():
+  proc = _run(*TINY, "--sparsities=0", "--formats=f32", "--noprogress")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  first = proc.stdout.splitlines()[0]
+  m = re.search(r"read bandwidth ([0-9.]+) GB/s \(\d+ threads\)", first)
+  assert m and float(m.group(1)) > 0, first
