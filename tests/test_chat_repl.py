@@ -43,7 +43,10 @@ def test_chat_keeps_the_conversation_and_stops_on_ctrl_c():
     c.sendline("/set temperature 0")
     c.expect(">>> ")
     c.sendline("Write a very long story about a dragon.")
-    c.expect("dragon|Dragon")  # The reply is streaming.
+    # The terminal echoes the line first; only text after it is the reply. Interrupting before
+    # the reply starts would hit input() instead (a race under load).
+    c.expect_exact("Write a very long story about a dragon.\r\n")
+    c.expect(r"[A-Za-z]{3,} [A-Za-z]{2,} ")  # Two words of the reply: it is streaming.
     c.sendintr()
     c.expect(r"\(stopped\)")
     c.expect(">>> ")
