@@ -170,12 +170,18 @@ def main(argv: list[str]) -> None:
   loader.start()
   try:
     server.run()
+  except KeyboardInterrupt:
+    if not stopping.is_set():
+      raise
+    # uvicorn re-raises the Ctrl-C it turned into a graceful shutdown: that shutdown is done.
   finally:
     # Threads still inside XLA or numba when the interpreter exits abort it: stop them first.
     stopping.set()
     loader.join()
     if state.worker is not None:
       state.worker.close()
+  if state.error is None:
+    sys.stderr.write(f"{PROG}: stopped\n")
   if state.error is not None:
     raise ConfigError(f"could not load --model={model_arg}: {state.error}")
 
