@@ -2,6 +2,7 @@
 
 import os
 import sys
+import time
 
 import pexpect
 import pytest
@@ -56,8 +57,15 @@ def test_chat_keeps_the_conversation_and_stops_on_ctrl_c():
     c.sendline("What is the capital of Japan?")
     c.expect(">>> ")
     assert "Tokyo" in c.before
-    c.sendintr()  # Ctrl-C at the prompt does not quit.
-    c.expect("Ctrl-D or /bye quits")
+    # Ctrl-C at the prompt does not quit. A ^C typed before readline has set up the terminal
+    # for the new line can be lost by the tty (seen once in CI), so it is pressed again if needed.
+    for _ in range(5):
+      time.sleep(0.3)
+      c.sendintr()
+      if c.expect(["Ctrl-D or /bye quits", pexpect.TIMEOUT], timeout=10) == 0:
+        break
+    else:
+      raise AssertionError("Ctrl-C at the prompt was never answered: " + c.before)
     c.sendline("/bye")
     c.expect(pexpect.EOF)
   finally:
