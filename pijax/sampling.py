@@ -170,6 +170,27 @@ def _check_shapes(logits: jax.Array, recent_tokens: jax.Array | None) -> None:
         f"got shape {recent_tokens.shape}.")
 
 
+def _recent_counts(logits: jax.Array, recent_tokens: jax.Array) -> jax.Array:
+  """f32[batch, vocab]: how often each token id occurs in that row's recent tokens."""
+  batch, vocab = logits.shape
+  # Padding would wrap around as a negative index: send it out of range, where 'drop' skips it.
+  ids = jnp.where(recent_tokens < 0, vocab, recent_tokens)
+  rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
+  return jnp.zeros((batch, vocab), logits.dtype).at[rows, ids].add(1.0, mode="drop")
+
+
+def _repetition(logits, counts, penalty):
+  penalty = jnp.asarray(penalty, logits.dtype)
+  penalised = jnp.where(logits > 0, logits / penalty, logits * penalty)
+  return jnp.where(counts > 0, penalised, logits)
+
+
+def _presence_frequency(logits, counts, presence, frequency):
+  presence = jnp.asarray(presence, logits.dtype)
+  frequency = jnp.asarray(frequency, logits.dtype)
+  return logits - jnp.where(counts > 0, presence + frequency * counts, 0.0)
+
+
 @jax.jit
 def apply_repetition_penalty(
     logits: jax.Array, recent_tokens: jax.Array, penalty: jax.Array | float) -> jax.Array:
@@ -190,15 +211,7 @@ def apply_repetition_penalty(
   logits = jnp.asarray(logits)
   recent_tokens = jnp.asarray(recent_tokens, jnp.int32)
   _check_shapes(logits, recent_tokens)
-  batch, vocab = logits.shape
-  # Padding would wrap around as a negative index: send it out of range, where 'drop' skips it.
-  ids = jnp.where(recent_tokens < 0, vocab, recent_tokens)
-  rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
-  # [batch, vocab]: True where the token id occurs in that row's recent tokens.
-  seen = jnp.zeros((batch, vocab), jnp.bool_).at[rows, ids].set(True, mode="drop")
-  penalty = jnp.asarray(penalty, logits.dtype)
-  penalised = jnp.where(logits > 0, logits / penalty, logits * penalty)
-  return jnp.where(seen, penalised, logits)
+  return _repetition(logits, _recent_counts(logits, recent_tokens), penalty)
 
 
 @jax.jit
@@ -221,14 +234,8 @@ def apply_presence_frequency_penalty(
   logits = jnp.asarray(logits)
   recent_tokens = jnp.asarray(recent_tokens, jnp.int32)
   _check_shapes(logits, recent_tokens)
-  batch, vocab = logits.shape
-  ids = jnp.where(recent_tokens < 0, vocab, recent_tokens)
-  rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
-  counts = jnp.zeros((batch, vocab), logits.dtype).at[rows, ids].add(1.0, mode="drop")
-  presence = jnp.asarray(presence, logits.dtype)
-  frequency = jnp.asarray(frequency, logits.dtype)
-  penalty = jnp.where(counts > 0, presence + frequency * counts, 0.0)
-  return logits - penalty
+  return _presence_frequency(logits, _recent_counts(logits, recent_tokens), presence,
+                             frequency)
 
 
 def _filter_sorted(
@@ -335,9 +342,10 @@ def _penalise(logits, params, recent_tokens):
     recent_tokens = jnp.asarray(recent_tokens, jnp.int32)
   _check_shapes(logits, recent_tokens)
   if recent_tokens is not None:
-    logits = apply_repetition_penalty(logits, recent_tokens, params.repeat_penalty)
-    logits = apply_presence_frequency_penalty(logits, recent_tokens, params.presence_penalty,
-                                              params.frequency_penalty)
+    counts = _recent_counts(logits, recent_tokens)  # One scatter per step for both rules.
+    logits = _repetition(logits, counts, params.repeat_penalty)
+    logits = _presence_frequency(logits, counts, params.presence_penalty,
+                                 params.frequency_penalty)
   return logits
 
 
