@@ -27,7 +27,7 @@ from pijax.backends import base as backend_lib
 from pijax.backends import xla as xla_backend
 from pijax.errors import ConfigError, ContextError
 from pijax.generation import (STOP_EOS, STOP_LENGTH, STOP_STRING, GenerationResult,
-                               GenerationStats, StopStrings, Stream, TokenStep)
+                               GenerationStats, Stream, TextOut, TokenStep)
 from pijax.formats.gguf import default_model_path
 from pijax.formats.loader import load_gguf, numpy_dtype
 from pijax.text.tokenizer import Tokenizer
@@ -495,11 +495,9 @@ class Model:
                               repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, repeat_last_n=repeat_last_n,
                               seed=seed, session=session, stats=stats)
-    stop_ids = self.tokenizer.stop_ids
 
     def pieces() -> Iterator[str]:
-      decoder = self.tokenizer.stream()
-      stops = StopStrings(list(stop))
+      out = TextOut(self.tokenizer, stop)
       out_ids: list[int] = []
       text: list[str] = []
       reason = STOP_LENGTH
@@ -509,23 +507,18 @@ class Model:
             reason = step.stop_reason
             break
           out_ids.append(step.token_id)
-          if step.token_id in stop_ids:
-            continue
-          piece = stops.push(decoder.push(step.token_id))
+          piece = out.push(step.token_id)
           if piece:
             text.append(piece)
             yield piece
-          if stops.stopped:
-            reason = STOP_STRING
+          if out.stopped:
             break
-        if not stops.stopped:
-          tail = stops.push(decoder.flush())
-          tail += "" if stops.stopped else stops.flush()
-          if stops.stopped:
-            reason = STOP_STRING
-          if tail:
-            text.append(tail)
-            yield tail
+        tail = out.finish()
+        if tail:
+          text.append(tail)
+          yield tail
+        if out.stopped:
+          reason = STOP_STRING
       finally:
         steps.close()
       return GenerationResult(text="".join(text), token_ids=out_ids, stop_reason=reason,

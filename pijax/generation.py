@@ -110,6 +110,36 @@ class StopStrings:
     return held
 
 
+class TextOut:
+  """Generated token ids -> the text that is safe to emit, one id at a time.
+
+  Detokenizes incrementally (never half a UTF-8 character), drops end-of-turn / stop tokens,
+  and cuts at the earliest stop string (`StopStrings`). `push` per id, `finish` once at the
+  end; `stopped` says a stop string ended the text.
+  """
+
+  def __init__(self, tokenizer, stop: "tuple[str, ...] | list[str]" = ()):
+    self._decoder = tokenizer.stream()
+    self._stops = StopStrings(stop)
+    self._stop_ids = tokenizer.stop_ids
+
+  @property
+  def stopped(self) -> bool:
+    return self._stops.stopped
+
+  def push(self, token_id: int) -> str:
+    if token_id in self._stop_ids:
+      return ""
+    return self._stops.push(self._decoder.push(token_id))
+
+  def finish(self) -> str:
+    """The held text (bytes of an incomplete character flushed once, as U+FFFD: case T3)."""
+    if self._stops.stopped:
+      return ""
+    tail = self._stops.push(self._decoder.flush())
+    return tail if self._stops.stopped else tail + self._stops.flush()
+
+
 @dataclasses.dataclass
 class GenerationResult:
   """text: the generated text; token_ids: the generated ids (stop token included)."""

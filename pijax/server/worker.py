@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pijax.errors import PijaxError
-from pijax.generation import STOP_STRING, StopStrings
+from pijax.generation import STOP_STRING, TextOut
 
 FINISH_REASONS = {"eos": "stop", STOP_STRING: "stop", "length": "length"}
 
@@ -214,17 +214,15 @@ class Worker:
     slot_index = self._slot_for(job.ids)
     self._used[slot_index] = time.perf_counter()
     slot = self._slots[slot_index]
-    room = model.max_seq_len - len(job.ids) + 1  # The last sampled token needs no KV row.
-    limit = room if job.max_tokens is None else min(job.max_tokens, room)
+    # No max_tokens: up to the context's end, where the engine stops with "length".
+    limit = model.max_seq_len if job.max_tokens is None else job.max_tokens
     want_logprobs = job.top_logprobs is not None
     steps = model.generate_ids(job.ids, max_new_tokens=limit, session=slot,
                                logprobs=want_logprobs, **job.sampling)
-    decoder = model.tokenizer.stream()
-    stops = StopStrings(job.stop)
-    stop_ids = model.tokenizer.stop_ids
+    out = TextOut(model.tokenizer, job.stop)
     produced = 0
     reason = "length"
-    pending: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []  # Logprob entries of tokens not yet posted.
     last = job.submitted
     try:
       for step in steps:
@@ -241,23 +239,17 @@ class Worker:
         last = now
         if want_logprobs:
           pending.append(self._token_entry(step.token_id, step.logprobs, job.top_logprobs))
-        if step.token_id in stop_ids:
-          continue
-        text = stops.push(decoder.push(step.token_id))
-        if text or (pending and not stops.stopped):
+        text = out.push(step.token_id)
+        if text or (pending and not out.stopped):
           job.post(Delta(text, pending))
           pending = []
-        if stops.stopped:
-          reason = STOP_STRING
+        if out.stopped:
           break
-      if not stops.stopped:
-        tail = stops.push(decoder.flush())
-        if stops.stopped:
-          reason = STOP_STRING
-        else:
-          tail += stops.flush()
-        if tail or pending:
-          job.post(Delta(tail, pending))
+      tail = out.finish()
+      if tail or pending:
+        job.post(Delta(tail, pending))
+      if out.stopped:
+        reason = STOP_STRING
     finally:
       steps.close()  # Stops the generation and stores the slot's cache.
     job.post(Done(FINISH_REASONS.get(reason, reason), len(job.ids), produced,
