@@ -74,6 +74,26 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def wait_ready(base: str, proc, log=lambda: "", timeout: float = 300.0) -> list:
+  """Polls GET /health of a starting `pijax.serve` until 200; returns the (status, body) pairs
+  seen. Raises AssertionError when the process exits or the timeout passes (with its log)."""
+  import time
+  import httpx2 as httpx
+  seen = []
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    assert proc.poll() is None, log()
+    try:
+      r = httpx.get(base + "/health", timeout=5)
+      seen.append((r.status_code, r.json()))
+      if r.status_code == 200:
+        return seen
+    except httpx.TransportError:
+      pass
+    time.sleep(0.2)
+  raise AssertionError("the server did not become ready: " + log())
+
+
 @pytest.fixture(scope="session")
 def server():
   """`python -m pijax.serve` on the default model (host weights), loopback, 512-token context.
@@ -84,7 +104,6 @@ def server():
   import subprocess
   import sys
   import tempfile
-  import time
   import httpx2 as httpx
   port = free_port()
   log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
@@ -93,21 +112,8 @@ def server():
        "--max_seq_len=512", "--max_queue=8", "--host_threads=2"],
       stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
   base = f"http://127.0.0.1:{port}"
-  seen = []
   try:
-    deadline = time.time() + 300
-    while time.time() < deadline:
-      assert proc.poll() is None, open(log.name).read()
-      try:
-        r = httpx.get(base + "/health", timeout=5)
-        seen.append((r.status_code, r.json()))
-        if r.status_code == 200:
-          break
-      except httpx.TransportError:
-        pass
-      time.sleep(0.2)
-    else:
-      raise AssertionError("the server did not become ready: " + open(log.name).read())
+    seen = wait_ready(base, proc, lambda: open(log.name).read())
     model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
     yield {"base": base, "model": model, "health": seen, "proc": proc, "log": log.name}
   finally:

@@ -46,6 +46,25 @@ def _tokens_seen(server) -> float:
   return total
 
 
+def _hold_worker(server, max_tokens):
+  """Starts a long streamed completion that keeps the worker busy until the returned event is
+  set; returns (event, thread)."""
+  release = threading.Event()
+
+  def hold():
+    with httpx.Client(timeout=60) as c:
+      with c.stream("POST", server["base"] + "/v1/completions",
+                    json={"prompt": "Once upon a time", "max_tokens": max_tokens,
+                          "stream": True, "temperature": 0}) as r:
+        for _ in r.iter_lines():
+          if release.is_set():
+            return
+
+  thread = threading.Thread(target=hold)
+  thread.start()
+  return release, thread
+
+
 def _hf_ids(hf_tokenizer, messages):
   ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
   if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -280,19 +299,7 @@ def test_non_streaming_client_that_disconnects_frees_the_worker(server):
 
 def test_full_queue_is_503_and_the_server_recovers(server):
   # One long streamed request holds the worker; 8 more wait (--max_queue=8); the next is 503.
-  stop = threading.Event()
-
-  def hold():
-    with httpx.Client(timeout=60) as c:
-      with c.stream("POST", server["base"] + "/v1/completions",
-                    json={"prompt": "Once upon a time", "max_tokens": 480, "stream": True,
-                          "temperature": 0}) as r:
-        for _ in r.iter_lines():
-          if stop.is_set():
-            return
-
-  holder = threading.Thread(target=hold)
-  holder.start()
+  stop, holder = _hold_worker(server, 480)
   time.sleep(0.5)
   clients = [httpx.Client(timeout=60) for _ in range(9)]
   try:
@@ -377,18 +384,7 @@ def test_v2_a_cancelled_queued_client_does_not_disturb_the_next(server):
   """V2: two queued clients; the first cancels; the second's reply is complete and unchanged."""
   body = {"prompt": "The history of Rome", "max_tokens": 24, "temperature": 0.9, "seed": 5}
   expected = httpx.post(server["base"] + "/v1/completions", json=body, timeout=60).json()
-  hold = threading.Event()
-
-  def long_stream():
-    with httpx.Client(timeout=60) as c:
-      with c.stream("POST", server["base"] + "/v1/completions",
-                    json={"prompt": "Once", "max_tokens": 300, "stream": True}) as r:
-        for _ in r.iter_lines():
-          if hold.is_set():
-            return
-
-  holder = threading.Thread(target=long_stream)
-  holder.start()
+  hold, holder = _hold_worker(server, 300)
   time.sleep(0.3)
   with pytest.raises(httpx.TimeoutException):  # Queued behind the stream, then gives up.
     httpx.post(server["base"] + "/v1/completions", json=dict(body, seed=6), timeout=0.3)
@@ -504,21 +500,14 @@ def test_sigint_while_streaming_ends_the_stream_and_exits_cleanly():
   import signal
   import subprocess
   import sys
-  from conftest import ROOT, free_port
+  from conftest import ROOT, free_port, wait_ready
   port = free_port()
   proc = subprocess.Popen([sys.executable, "-m", "pijax.serve", "--model=default",
                            f"--port={port}", "--max_seq_len=1024", "--warmup=false"],
                           stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
   base = f"http://127.0.0.1:{port}"
   try:
-    deadline = time.time() + 120
-    while time.time() < deadline:
-      try:
-        if httpx.get(base + "/health").status_code == 200:
-          break
-      except httpx.TransportError:
-        pass
-      time.sleep(0.2)
+    wait_ready(base, proc, timeout=120)
     lines = []
     with httpx.Client(timeout=60) as c:
       with c.stream("POST", base + "/v1/chat/completions",
