@@ -25,8 +25,18 @@ $(VENV)/.test: $(VENV)/.runtime
 	touch $@
 
 # The `compare` extra is llama-cpp-python, built from its sdist (llama.cpp compiled with cmake):
-# ~10-15 min on 2 cores the first time; later runs skip it (stamp file).
+# ~5-15 min on 2 cores the first time; later runs skip it (stamp file). GGML_NATIVE is off and
+# the SIMD flags follow /proc/cpuinfo: a -march=native build emits AMX code that crashes in VMs
+# whose CPU lists AMX (segfault in llama_decode, seen on the 2-core Intel Xeon VM). Set
+# CMAKE_ARGS yourself to override.
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && \
+    echo -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON) $(shell grep -qw \
+    avx512f /proc/cpuinfo 2>/dev/null && echo -DGGML_AVX512=ON) $(shell grep -qw avx512_vnni \
+    /proc/cpuinfo 2>/dev/null && echo -DGGML_AVX512_VNNI=ON) $(shell grep -qw avx512_bf16 \
+    /proc/cpuinfo 2>/dev/null && echo -DGGML_AVX512_BF16=ON)
 $(VENV)/.compare: $(VENV)/.runtime
+	CMAKE_ARGS="$${CMAKE_ARGS:-$(LLAMA_CMAKE_ARGS)}" $(PY) -m pip install -q --no-cache-dir \
+	    --force-reinstall --no-deps llama-cpp-python
 	$(PY) -m pip install -q -e '.[compare]'
 	touch $@
 
