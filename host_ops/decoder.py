@@ -29,6 +29,7 @@ from numba import extending as numba_extending
 
 from host_ops import _common
 from host_ops import gated_ffn as gated_lib
+from host_ops import qdot
 from host_ops import qmatmul
 from host_ops._common import HostOpError
 
@@ -181,35 +182,52 @@ def _attention_kernel(qkv, cache_k, cache_v, pos, cos, sin, adjacent, n_heads, n
 
 
 
-def _layer_matmul(w, i, x, out):
+def _layer_matmul(w, i, x, out, int8):
   """out = x @ W_i.T for layer i of a stacked matrix w (numba only; see the overload below)."""
   raise NotImplementedError("_layer_matmul runs inside numba-compiled code only")
 
 
 @numba_extending.overload(_layer_matmul, jit_options=_common._JIT)
-def _layer_matmul_overload(w, i, x, out):
+def _layer_matmul_overload(w, i, x, out, int8):
   """Picks the kernel from w's type: (qs, d, m) stacked Q4_1 or (q, d) stacked Q8_0, each
-  [L, n, ...]; the gemv loop for <= GEMV_MAX_ROWS rows of x, the tiled product above (the same
-  choice and kernels as `QMatrix.matmul`)."""
+  [L, n, ...]; for <= GEMV_MAX_ROWS rows of x the integer gemv (int8 true, where qdot runs) or
+  the f32 one, the tiled product above (the same choice and kernels as `QMatrix.matmul`). The
+  integer kernels are only referenced where qdot.AVAILABLE, so other CPUs never compile them."""
   if len(w) == 3:
-    def q4_1(w, i, x, out):
-      if x.shape[0] <= qmatmul.GEMV_MAX_ROWS:
-        qmatmul._gemv_q4_1_kernel(w[0][i], w[1][i], w[2][i], x, out)
-      else:
+    def q4_1(w, i, x, out, int8):
+      if x.shape[0] > qmatmul.GEMV_MAX_ROWS:
         qmatmul._gemm_q4_1_kernel(w[0][i], w[1][i], w[2][i], x, out)
-    return q4_1
+      elif int8:
+        qdot.gemv_q4_1(w[0][i], w[1][i], w[2][i], x, out)
+      else:
+        qmatmul._gemv_q4_1_kernel(w[0][i], w[1][i], w[2][i], x, out)
 
-  def q8_0(w, i, x, out):
-    if x.shape[0] <= qmatmul.GEMV_MAX_ROWS:
-      qmatmul._gemv_q8_0_kernel(w[0][i], w[1][i], x, out)
-    else:
+    def q4_1_f32(w, i, x, out, int8):
+      if x.shape[0] > qmatmul.GEMV_MAX_ROWS:
+        qmatmul._gemm_q4_1_kernel(w[0][i], w[1][i], w[2][i], x, out)
+      else:
+        qmatmul._gemv_q4_1_kernel(w[0][i], w[1][i], w[2][i], x, out)
+    return q4_1 if qdot.AVAILABLE else q4_1_f32
+
+  def q8_0(w, i, x, out, int8):
+    if x.shape[0] > qmatmul.GEMV_MAX_ROWS:
       qmatmul._gemm_q8_0_kernel(w[0][i], w[1][i], x, out)
-  return q8_0
+    elif int8:
+      qdot.gemv_q8_0(w[0][i], w[1][i], x, out)
+    else:
+      qmatmul._gemv_q8_0_kernel(w[0][i], w[1][i], x, out)
+
+  def q8_0_f32(w, i, x, out, int8):
+    if x.shape[0] > qmatmul.GEMV_MAX_ROWS:
+      qmatmul._gemm_q8_0_kernel(w[0][i], w[1][i], x, out)
+    else:
+      qmatmul._gemv_q8_0_kernel(w[0][i], w[1][i], x, out)
+  return q8_0 if qdot.AVAILABLE else q8_0_f32
 
 
 @numba.njit(**_common._JIT)
 def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, down_w, cache_k,
-                   cache_v, pos, cos, sin, adjacent, n_heads, n_kv, head_dim, eps, code):
+                   cache_v, pos, cos, sin, adjacent, n_heads, n_kv, head_dim, eps, code, int8):
   """Every layer of the decoder in one compiled call (the same kernels, in the same order, as
   `HostDecoder.forward`'s per-layer loop, so the same result bit for bit, without ~8 Python
   calls per layer). x: f32[b t, D] embeddings -> f32[b t, D] after the last layer.
@@ -225,15 +243,15 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
   g = np.empty((rows, f), np.float32)
   u = np.empty((rows, f), np.float32)
   for i in range(attn_norms.shape[0]):
-    _layer_matmul(qkv_w, i, _rms_norm_kernel(x, attn_norms[i], eps), qkv)
+    _layer_matmul(qkv_w, i, _rms_norm_kernel(x, attn_norms[i], eps), qkv, int8)
     attn = _attention_kernel(qkv.reshape(b, t, n_heads + 2 * n_kv, head_dim), cache_k[i],
                              cache_v[i], pos, cos, sin, adjacent, n_heads, n_kv, scale)
-    _layer_matmul(out_w, i, attn, attn_proj)
+    _layer_matmul(out_w, i, attn, attn_proj, int8)
     x = x + attn_proj
     h = _rms_norm_kernel(x, ffn_norms[i], eps)
-    _layer_matmul(gate_w, i, h, g)
-    _layer_matmul(up_w, i, h, u)
-    _layer_matmul(down_w, i, _activation_kernel(g, u, code), ffn)
+    _layer_matmul(gate_w, i, h, g, int8)
+    _layer_matmul(up_w, i, h, u, int8)
+    _layer_matmul(down_w, i, _activation_kernel(g, u, code), ffn, int8)
     x = x + ffn
   return x
 
@@ -247,6 +265,9 @@ class HostDecoder:
     final_norm: f32[D].
     lm_head: [V, D] QMatrix (the embedding itself when the model ties them).
     eps: RMSNorm epsilon; family: FFN family ("swiglu" | "reglu" | "drelu").
+    dot: "int8" (decode products quantize activations per block and sum integers, as
+      llama.cpp; `host_ops.qdot`) or "f32" (the f32 dense path's values up to summation order).
+      `self.dot` holds what runs: "f32" where qdot.AVAILABLE is False.
 
   Raises:
     HostOpError: inconsistent shapes or an unknown family.
@@ -255,7 +276,11 @@ class HostDecoder:
   def __init__(self, embedding: qmatmul.QMatrix, layers: list[HostLayer],
                final_norm: np.ndarray, lm_head: qmatmul.QMatrix, *, eps: float, family: str,
                n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: float, rope_dim: int,
-               rope_scale: float = 1.0, rope_adjacent: bool = True):
+               rope_scale: float = 1.0, rope_adjacent: bool = True,
+               dot: str = qmatmul.DOT_INT8):
+    if dot not in qmatmul.DOTS:
+      raise HostOpError(f"dot must be one of {', '.join(qmatmul.DOTS)}, got {dot!r}")
+    self.dot = dot if qdot.AVAILABLE else qmatmul.DOT_F32
     self.code = _common.family_code(family)
     if n_heads % n_kv_heads or rope_dim > head_dim or rope_dim % 2:
       raise HostOpError(f"bad attention shape: {n_heads} heads, {n_kv_heads} KV heads, head_dim "
@@ -446,30 +471,33 @@ class HostDecoder:
     if self._stacked is not None and self.gate_cuts is None and self._record is None:
       _common.ensure_host_threads()
       x = _layers_kernel(x, b, t, *self._stacked, cache.k, cache.v, pos, cos, sin,
-                         self.rope_adjacent, n, k, hd, self.eps, self.code)
+                         self.rope_adjacent, n, k, hd, self.eps, self.code,
+                         self.dot == qmatmul.DOT_INT8)
       layers = ()
     else:
       layers = self.layers
     scale = np.float32(hd ** -0.5)
     for i, layer in enumerate(layers):
-      qkv = layer.qkv.matmul(self._norm(x, layer.attn_norm))  # [b t, (N + 2K) H]
+      dot = self.dot
+      qkv = layer.qkv.matmul(self._norm(x, layer.attn_norm), dot=dot)  # [b t, (N + 2K) H]
       attn = _attention_kernel(qkv.reshape(b, t, n + 2 * k, hd), cache.k[i], cache.v[i], pos,
                                cos, sin, self.rope_adjacent, n, k, scale)  # [b t, N H]
-      x = x + layer.attn_out.matmul(attn)
+      x = x + layer.attn_out.matmul(attn, dot=dot)
       h = self._norm(x, layer.ffn_norm)
-      g = layer.gate.matmul(h)
+      g = layer.gate.matmul(h, dot=dot)
       if self._record is not None:
         self._record[i].append(np.abs(_gate_activation(g, self.code)).ravel())
       if self.gate_cuts is None:
-        x = x + layer.down.matmul(_activation_kernel(g, layer.up.matmul(h), self.code))
+        x = x + layer.down.matmul(_activation_kernel(g, layer.up.matmul(h, dot=dot), self.code),
+                                  dot=dot)
       else:
         y, active = gated_lib.gated_ffn(g, h, layer.up, self._down_t[i], cut=self.gate_cuts[i],
-                                        family=self.family)
+                                        family=self.family, dot=dot)
         x = x + y
         self.last_active[i] = active.mean() / g.shape[1]
     if rows is not None:
       x = x[np.asarray(rows, np.int64)]
-    return self.lm_head.matmul(self._norm(x, self.final_norm))
+    return self.lm_head.matmul(self._norm(x, self.final_norm), dot=self.dot)
 
   def __repr__(self) -> str:
     kinds = sorted({w.kind for layer in self.layers for w in layer.matrices()})
@@ -481,6 +509,8 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
   """Float64 NumPy reference of `HostDecoder.forward` for one fresh sequence (positions 0..T-1).
 
   tokens: int[T]. Returns f32[T, V] logits. Dequantizes with `qmatmul.dequantize_reference`;
+  with dec.dot "int8" every product quantizes its input as `qdot.matmul_reference` does (what
+  the decoder computes when each forward pass has at most qmatmul.GEMV_MAX_ROWS tokens);
   RoPE and causal grouped-query attention written out from their definitions; with the
   gate-first FFN on (`enable_gated`), neurons whose gate fails the layer's cut are zeroed and
   the down projection uses the neuron-major Q8_0 rows (`gated_ffn_reference`).
@@ -507,6 +537,8 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + dec.eps) * scale
 
   def mm(w, x):
+    if dec.dot == qmatmul.DOT_INT8:
+      return qdot.matmul_reference(w.kind, w.arrays, x).astype(np.float64)
     return x @ qmatmul.dequantize_reference(w).T
 
   causal = np.tril(np.ones((t, t), bool))
@@ -529,6 +561,7 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
     else:
       i = len(seen)
       x = x + gated_lib.gated_ffn_reference(mm(layer.gate, h), h, layer.up, dec._down_t[i],
-                                            cut=dec.gate_cuts[i], family=dec.family)[0]
+                                            cut=dec.gate_cuts[i], family=dec.family,
+                                            dot=dec.dot)[0]
     seen.append(i if dec.gate_cuts is not None else 0)
   return mm(dec.lm_head, norm(x, dec.final_norm.astype(np.float64))).astype(np.float32)

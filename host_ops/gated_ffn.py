@@ -28,6 +28,7 @@ import numba
 import numpy as np
 
 from host_ops import _common
+from host_ops import qdot
 from host_ops import qmatmul
 from host_ops._common import HostOpError
 
@@ -128,6 +129,41 @@ def _gated_q8_0_kernel(g, h, up_q, up_d, dt_q, dt_d, cut, code, n_threads, block
   return _reduce(partials, done)
 
 
+@numba.njit(parallel=True, **_common._JIT)
+def _gated_int8_kernel(g, h, up_w, up_d, up_m, dt_q, dt_d, cut, code, n_threads, block, q4):
+  """`_gated_q4_1_kernel` with up . h as an integer dot on h quantized per block
+  (`host_ops.qdot`); up_w: Q4_1 nibbles u8[F, D/2] (q4 true, up_m its offsets) or Q8_0 codes
+  i8[F, D] (up_m unused)."""
+  b, f = g.shape
+  dim = h.shape[1]
+  ids, counts = _active_ids(g, cut, code)
+  xq, dx, xsum = qdot.quantize_x(h)
+  partials = np.zeros((n_threads, b, dim), np.float32)
+  done = np.zeros((n_threads, b), np.int64)
+  for t in numba.prange(n_threads):
+    for r in range(b):
+      lo = t * counts[r] // n_threads
+      hi = (t + 1) * counts[r] // n_threads
+      for j in range(lo, hi):
+        if j + 1 < hi:
+          nxt = ids[r, j + 1]
+          _common.prefetch_head(up_w[nxt])
+          _common.prefetch_head(dt_q[nxt])
+        i = ids[r, j]
+        if q4:
+          u = qdot._row_dot_q4_1(up_w[i], up_d[i], xq[r], dx[r])
+          for blk in range(up_m.shape[1]):
+            u += up_m[i, blk] * xsum[r, blk]
+        else:
+          u = qdot._row_dot_q8_0(up_w[i], up_d[i], xq[r], dx[r])
+        a = _common.activation(g[r, i], u, code)
+        if a == 0:
+          continue
+        done[t, r] += 1
+        _add_row_q8_0(partials[t, r], a, dt_q[i], dt_d[i], block)
+  return _reduce(partials, done)
+
+
 @numba.njit(**_common._JIT)
 def _reduce(partials, counts):
   """Thread-order sum: y = ((p0 + p1) + p2) ...; active counts per row."""
@@ -139,8 +175,8 @@ def _reduce(partials, counts):
   return y, total
 
 
-def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float, family: str
-              ) -> tuple[np.ndarray, np.ndarray]:
+def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float, family: str,
+              dot: str = qmatmul.DOT_F32) -> tuple[np.ndarray, np.ndarray]:
   """The gate-first sparse FFN (module docstring).
 
   Args:
@@ -149,12 +185,14 @@ def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
     up: [F, D] Q4_1 or Q8_0; down_t: [F, D] Q8_0, neuron-major.
     cut: SwiGLU: minimum |silu(g)| of an active neuron (>= 0); ignored by ReLU families.
     family: "swiglu" | "reglu" | "drelu".
+    dot: "f32", or "int8": up . h on h quantized per block of 32 (`host_ops.qdot`; f32 where
+      qdot.AVAILABLE is False).
 
   Returns:
     (y: f32[b, D], active: i64[b] neurons computed per row).
 
   Raises:
-    HostOpError: shapes or formats that do not match.
+    HostOpError: shapes or formats that do not match, an unknown dot.
   """
   code = _common.family_code(family)
   g = np.ascontiguousarray(g, np.float32)
@@ -165,7 +203,14 @@ def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
                       f"{down_t.kind} {down_t.shape} do not match (down_t must be Q8_0 [F, D])")
   if not (cut >= 0 and math.isfinite(cut)):
     raise HostOpError(f"gated_ffn: cut must be a finite number >= 0, got {cut}")
+  if dot not in qmatmul.DOTS:
+    raise HostOpError(f"gated_ffn: dot must be one of {', '.join(qmatmul.DOTS)}, got {dot!r}")
   n_threads = _common.ensure_host_threads()
+  if dot == qmatmul.DOT_INT8 and qdot.AVAILABLE:
+    q4 = up.kind == qmatmul.Q4_1
+    m = up.arrays[2] if q4 else up.arrays[1]  # Q8_0: a placeholder f32[F, D/32], never read.
+    return _gated_int8_kernel(g, h, up.arrays[0], up.arrays[1], m, *down_t.arrays,
+                              np.float32(cut), code, n_threads, np.int64(qmatmul.BLOCK), q4)
   if up.kind == qmatmul.Q4_1:
     return _gated_q4_1_kernel(g, h, *up.arrays, *down_t.arrays, np.float32(cut), code, n_threads,
                               np.int64(qmatmul.BLOCK))
@@ -174,11 +219,13 @@ def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
 
 
 def gated_ffn_reference(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
-                        family: str) -> tuple[np.ndarray, np.ndarray]:
-  """Float64 NumPy reference of `gated_ffn`."""
+                        family: str, dot: str = qmatmul.DOT_F32) -> tuple[np.ndarray, np.ndarray]:
+  """Float64 NumPy reference of `gated_ffn` (dot "int8": up . h as `qdot.matmul_reference`)."""
   g = np.asarray(g, np.float64)
-  h = np.asarray(h, np.float64)
-  u = h @ qmatmul.dequantize_reference(up).T
+  if dot == qmatmul.DOT_INT8 and qdot.AVAILABLE:
+    u = qdot.matmul_reference(up.kind, up.arrays, np.asarray(h, np.float32)).astype(np.float64)
+  else:
+    u = np.asarray(h, np.float64) @ qmatmul.dequantize_reference(up).T
   a = _common.activation_reference(g, u, family)
   if family == "swiglu":
     with np.errstate(over="ignore"):

@@ -18,8 +18,9 @@ loop reads every block once and dots it with each row of x (parallel over output
 larger b (prefill, perplexity) each weight row is dequantized once into an f32 buffer and dotted
 with every row of x, so the 4-bit decode is paid once per row, not once per token.
 
-The flat loop is the fastest shape measured: a loop nest over blocks, and integer dots with an
-int8-quantized x, were slower (BUILD_NOTES.md).
+The flat loop is the fastest float shape measured (a loop nest over blocks was slower,
+BUILD_NOTES.md). With dot="int8" the gemv quantizes x per block and uses the SIMD integer
+kernels of `host_ops.qdot` instead.
 
 Layout per STYLE.md: numba kernels -> QMatrix (validates, dispatches) -> NumPy references.
 """
@@ -30,6 +31,7 @@ import numba
 import numpy as np
 
 from host_ops import _common
+from host_ops import qdot
 from host_ops._common import HostOpError
 
 BLOCK = 32  # Values per block in both formats.
@@ -41,6 +43,13 @@ KINDS = (Q4_1, Q8_0)
 # every row of x: the two break even at about 8 rows, and the second gains with the batch.
 # NumPy's BLAS is not used: its threads and numba's spin against each other on a 2-core machine.
 GEMV_MAX_ROWS = 8
+# How a product of at most GEMV_MAX_ROWS rows treats x: "f32" keeps it (the f32 dense path's
+# values up to summation order); "int8" quantizes it per block of 32 and sums integer products
+# (`host_ops.qdot`, llama.cpp's arithmetic, ~2-4x faster). "int8" runs as "f32" where
+# qdot.AVAILABLE is False.
+DOT_F32 = "f32"
+DOT_INT8 = "int8"
+DOTS = (DOT_INT8, DOT_F32)
 
 # GGUF block sizes in bytes: Q4_1 = f16 d, f16 m, 16 bytes of nibbles; Q8_0 = f16 d, 32 int8.
 _GGUF_BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
@@ -298,23 +307,29 @@ class QMatrix:
       _dequant_q8_0_kernel(*self.arrays, lo, hi, out)
     return out[:hi - lo]
 
-  def matmul(self, x, out: np.ndarray | None = None) -> np.ndarray:
+  def matmul(self, x, out: np.ndarray | None = None, dot: str = DOT_F32) -> np.ndarray:
     """x @ W.T: x f32[b, D] -> f32[b, n] (f32[D] -> f32[n]).
 
+    dot: "f32" or "int8" (x quantized per block for b <= GEMV_MAX_ROWS; see DOT_INT8).
     Deterministic for a given b (each output is one row's dot in a fixed order).
 
     Raises:
-      HostOpError: x of the wrong shape.
+      HostOpError: x of the wrong shape, an unknown dot.
     """
+    if dot not in DOTS:
+      raise HostOpError(f"dot must be one of {', '.join(DOTS)}, got {dot!r}")
     x2, squeeze = _common.prepare_x(x, self.shape[1])
     b = x2.shape[0]
     if out is None:
       out = np.empty((b, self.shape[0]), np.float32)
     _common.ensure_host_threads()
+    int8 = dot == DOT_INT8 and qdot.AVAILABLE
     if self.kind == Q4_1:
-      kernel = _gemv_q4_1_kernel if b <= GEMV_MAX_ROWS else _gemm_q4_1_kernel
+      kernel = _gemm_q4_1_kernel if b > GEMV_MAX_ROWS else (
+          qdot.gemv_q4_1 if int8 else _gemv_q4_1_kernel)
     else:
-      kernel = _gemv_q8_0_kernel if b <= GEMV_MAX_ROWS else _gemm_q8_0_kernel
+      kernel = _gemm_q8_0_kernel if b > GEMV_MAX_ROWS else (
+          qdot.gemv_q8_0 if int8 else _gemv_q8_0_kernel)
     kernel(*self.arrays, x2, out)
     return out[0] if squeeze else out
 

@@ -48,6 +48,13 @@ per neuron: 3 D * 4 f32, 3 D * 1.125 q8, 3 D * 2 bf16), GB/s = bytes read / time
 this row's GB/s / GB/s of the same op, format and shape at 0% sparsity ("-" when 0 is not among
 --sparsities). Issue target: >= 70% at 90% sparsity, LLaMA-2-7B shapes.
 
+Dense decode matvecs (`--matvec`, on by default): `host_ops.qmatmul.QMatrix.matmul` of one row
+x over each shape's gate [n, D] and down [D, n] matrices in the GGUF block formats q4_1 and q8_0
+(random codes and scales), with dot "f32" (x kept f32) and "int8" (x quantized per block, integer
+SIMD products: `host_ops.qdot`). Copies of the matrix are cycled so each call reads it from DRAM
+(as the host op above). Columns: time/call (median), G weights/s, GB/s of the GGUF block bytes,
+and that as a share of the measured read bandwidth.
+
 The machine line also gives the memory read bandwidth (`read_bandwidth`: the best of 5 integer-sum
 passes over a buffer of the cold target's size, with --threads threads; --nobandwidth skips it),
 the ceiling of every bandwidth-bound row.
@@ -266,8 +273,9 @@ def _read_lines(buf, lo, hi):
 
 @numba.njit(parallel=True, nogil=True, cache=True)
 def _read_all(buf, n_threads):
-  """Sum of every int32 of buf, split in n_threads contiguous shares (integer adds vectorize
-  without fastmath, so the loop runs at memory speed, not at the adder's)."""
+  """Sum of every int64 of buf, split in n_threads contiguous shares (integer adds vectorize
+  without fastmath, so the loop runs at memory speed, not at the adder's; an int32 buffer
+  summed into int64 did not vectorize and read 6 GB/s where this reads 31, dev-2c AMX VM)."""
   n = buf.shape[0]
   partial = np.zeros(n_threads, np.int64)
   for t in numba.prange(n_threads):
@@ -288,7 +296,7 @@ def read_bandwidth(nbytes: float, threads: int, repeats: int = 5) -> float:
   from host_ops import _common as host_common
   host_common.set_host_threads(threads)
   n_threads = host_common.ensure_host_threads()
-  buf = np.ones(max(int(nbytes) // 4, 1 << 16), np.int32)  # Written: real pages, not zero pages.
+  buf = np.ones(max(int(nbytes) // 8, 1 << 16), np.int64)  # Written: real pages, not zero pages.
   _read_all(buf[: 1 << 16], n_threads)  # Compile (or load from cache) before timing.
   best = math.inf
   for _ in range(repeats):
@@ -446,6 +454,111 @@ def bench_host(weights, n: int, copies: int, sets: list[np.ndarray], *, seconds:
               active_neurons=float(np.mean(ks)), bytes_read=bytes_read,
               gb_s=bytes_read / t / 1e9, reuse_mb=reuse / 1e6, flush_mb=flush / 1e6,
               from_dram=reuse >= cold_bytes * (1 - 1e-9))
+
+
+# ------------------------------------------------------------------ dense decode matvecs
+MATVEC_FORMATS = ("q4_1", "q8_0")
+
+
+@dataclasses.dataclass
+class MatvecRow:
+  """One dense matvec row: a matrix of a shape in a GGUF block format, with a dot mode."""
+
+  shape: str  # a SHAPES name
+  matrix: str  # "gate" ([n, D]) | "down" ([D, n])
+  rows: int
+  cols: int
+  format: str  # "q4_1" | "q8_0"
+  dot: str  # "f32" | "int8"
+  time_s: float  # median seconds per call
+  g_weights_s: float  # rows * cols / time_s / 1e9
+  gb_s: float  # GGUF block bytes / time_s / 1e9
+  copies: int
+  from_dram: bool  # copies * bytes >= the cold target
+  vs_bandwidth: float | None = None  # gb_s / the machine's read bandwidth
+
+
+def matvec_copies(rows: int, cols: int, fmt: str, copies: int, seed: int = 0):
+  """`copies` random QMatrix views of one [copies * rows, cols] block array (codes uniform, scales
+  in [0.001, 0.02], Q4_1 offsets in [-0.1, 0.1])."""
+  from host_ops import qmatmul
+  rng = np.random.default_rng([seed, rows, cols])
+  nb = cols // qmatmul.BLOCK
+  total = copies * rows
+  d = rng.uniform(0.001, 0.02, (total, nb)).astype(np.float32)
+  if fmt == "q4_1":
+    arrays = (rng.integers(0, 256, (total, cols // 2), dtype=np.uint8), d,
+              rng.uniform(-0.1, 0.1, (total, nb)).astype(np.float32))
+  else:
+    arrays = (rng.integers(-128, 128, (total, cols), dtype=np.int8), d)
+  return [qmatmul.QMatrix(fmt, tuple(a[c * rows:(c + 1) * rows] for a in arrays))
+          for c in range(copies)]
+
+
+def bench_matvec(mats, dot: str, *, seconds: float, cold_bytes: float,
+                 seed: int = 0) -> dict[str, Any]:
+  """Times `QMatrix.matmul` of one f32 row over the copies in turn (median s per call)."""
+  w0 = mats[0]
+  x = np.random.default_rng([seed, w0.shape[1]]).standard_normal((1, w0.shape[1])).astype(
+      np.float32)
+  out = np.empty((1, w0.shape[0]), np.float32)
+  for w in mats[:2]:  # Warm-up: compile or load the numba cache.
+    w.matmul(x, out=out, dot=dot)
+  times = []
+  i = 0
+  deadline = time.perf_counter() + seconds
+  while (time.perf_counter() < deadline or i < MIN_CALLS) and i < MAX_CALLS:
+    w = mats[i % len(mats)]
+    t0 = time.perf_counter()
+    w.matmul(x, out=out, dot=dot)
+    times.append(time.perf_counter() - t0)
+    i += 1
+  t = float(np.median(times))
+  n, dim = w0.shape
+  return dict(time_s=t, g_weights_s=n * dim / t / 1e9, gb_s=w0.file_bytes() / t / 1e9,
+              copies=len(mats), from_dram=len(mats) * w0.file_bytes() >= cold_bytes)
+
+
+def run_matvec(opts: Options, read_gb_s: float | None, log=None) -> list[MatvecRow]:
+  """Every (shape, gate/down, format, dot) of the dense matvec table."""
+  from host_ops import _common as host_common
+  from host_ops import qdot
+  from host_ops import qmatmul
+  log = log or (lambda s: None)
+  host_common.set_host_threads(opts.threads)
+  cold = opts.cold_bytes or COLD_FACTOR * l3_bytes()
+  dots = [qmatmul.DOT_F32] + ([qmatmul.DOT_INT8] if qdot.AVAILABLE else [])
+  out = []
+  for name in opts.shapes:
+    d, n = SHAPES[name]
+    for matrix, (rows, cols) in (("gate", (n, d)), ("down", (d, n))):
+      for fmt in MATVEC_FORMATS:
+        per = rows * (cols // 32) * (20 if fmt == "q4_1" else 34)
+        held = rows * cols * (0.5 if fmt == "q4_1" else 1.0) + rows * cols / 32 * (
+            8 if fmt == "q4_1" else 4)
+        copies = max(1, min(math.ceil(cold / per), int(opts.max_bytes // held)))
+        mats = matvec_copies(rows, cols, fmt, copies, opts.seed)
+        for dot in dots:
+          m = bench_matvec(mats, dot, seconds=opts.seconds, cold_bytes=cold, seed=opts.seed)
+          row = MatvecRow(shape=name, matrix=matrix, rows=rows, cols=cols, format=fmt, dot=dot,
+                          vs_bandwidth=m["gb_s"] / read_gb_s if read_gb_s else None, **m)
+          out.append(row)
+          log(f"  matvec {fmt} {dot} {name} {matrix}: {_fmt_time(row.time_s)}, "
+              f"{row.g_weights_s:.1f} G weights/s, {row.gb_s:.1f} GB/s")
+        del mats
+  return out
+
+
+def format_matvec(rows: list[MatvecRow]) -> str:
+  out = ["| shape | matrix | rows x cols | format | dot | time/call | G weights/s | GB/s "
+         "| vs read bandwidth |",
+         "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+  for r in rows:
+    vs = "-" if r.vs_bandwidth is None else f"{r.vs_bandwidth:.0%}"
+    warm = "" if r.from_dram else " (cache)"
+    out.append(f"| {r.shape} | {r.matrix} | {r.rows} x {r.cols} | {r.format} | {r.dot} | "
+               f"{_fmt_time(r.time_s)} | {r.g_weights_s:.1f} | {r.gb_s:.1f}{warm} | {vs} |")
+  return "\n".join(out)
 
 
 # ------------------------------------------------------------------ pallas op
@@ -780,17 +893,24 @@ def main(argv: list[str]) -> None:
   if OP_HOST in opts.ops and f.bandwidth:
     info["read_gb_s"] = read_bandwidth(min(cold, opts.max_bytes / 2), opts.threads)
   progress = (lambda s: print(s, file=sys.stderr, flush=True)) if f.progress else None
-  rows = run(opts, log=progress)
+  rows = run(opts, log=progress) if f.sparse_ops else []
+  matvec = (run_matvec(opts, info.get("read_gb_s"), log=progress)
+            if f.matvec and OP_HOST in opts.ops else [])
   if opts.output == "json":
     doc = {"machine": info,
            "settings": {"alpha": opts.alpha, "seed": opts.seed, "seconds": opts.seconds,
                         "threads": opts.threads, "cold_bytes": cold, "max_bytes": opts.max_bytes,
                         "id_sets": ID_SETS, "ops": opts.ops},
-           "rows": [dataclasses.asdict(r) for r in rows]}
+           "rows": [dataclasses.asdict(r) for r in rows],
+           "matvec": [dataclasses.asdict(r) for r in matvec]}
     sys.stdout.write(json.dumps(doc, indent=1) + "\n")
   else:
-    sys.stdout.write(format_machine(info) + "\n\n" + format_markdown(rows) + "\n\n"
-                     + format_notes(rows, opts, cold) + "\n")
+    text = format_machine(info) + "\n"
+    if rows:
+      text += "\n" + format_markdown(rows) + "\n\n" + format_notes(rows, opts, cold) + "\n"
+    if matvec:
+      text += "\nDense decode matvecs (b = 1, GGUF block bytes):\n\n" + format_matvec(matvec) + "\n"
+    sys.stdout.write(text)
 
 
 if __name__ == "__main__":
@@ -813,6 +933,9 @@ if __name__ == "__main__":
   flags.DEFINE_float("cold_mb", None, "Bytes (MB) read between two reads of one layer copy; "
                      "default 2.3 x the L3 size.")
   flags.DEFINE_boolean("progress", True, "Progress lines on stderr.")
+  flags.DEFINE_boolean("sparse_ops", True, "Run the sparse FFN op table.")
+  flags.DEFINE_boolean("matvec", True, "Run the dense decode matvec table (host: q4_1 and q8_0 "
+                       "blocks, f32 and int8 dots).")
   flags.DEFINE_boolean("bandwidth", True, "Measure the memory read bandwidth (a pass over "
                        "--cold_mb of memory, default 2.3 x L3) and print it on the machine line.")
   cli.run(main, "pijax.bench_ops")

@@ -48,6 +48,11 @@ HOST_WEIGHTS = flags.DEFINE_enum(
     "host in quantized blocks, read by numba (gguf: the file's Q4_1/Q8_0 blocks as they are; "
     "q8_0: everything int8). auto: gguf on a CPU backend for Q4_1/Q8_0 files, else off (f32 XLA).")
 
+HOST_DOT = flags.DEFINE_enum(
+    "host_dot", None, ["int8", "f32"], "Host weights: decode matmuls on activations quantized to "
+    "8 bits per block of 32 with integer dot products (int8, the default; llama.cpp's "
+    "arithmetic), or on f32 activations (f32: the f32 path's values, slower).")
+
 
 GATE_SPARSE = flags.DEFINE_bool(
     "gate_sparse", None, "Host weights: gate-first sparse FFN (only neurons the gate marks active "
@@ -137,12 +142,17 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
     model.configure_host_weights(
         host_weights, gate_sparse=bool(pick(GATE_SPARSE, "gate_sparse")),
         gate_sparsity=0.5 if sparsity is None else sparsity,
-        calibration_file=pick(CALIBRATION_FILE, "calibration_file"))
+        calibration_file=pick(CALIBRATION_FILE, "calibration_file"),
+        dot=pick(HOST_DOT, "host_dot") or "int8")
     return
   if host_weights not in ("auto", "off"):
     from pijax.errors import ConfigError
     raise ConfigError(f"--host_weights={host_weights} is for dense runs of a GGUF; sparse "
                       f"modes and bundles use f32 rows (use --host_weights=off).")
+  if pick(HOST_DOT, "host_dot") is not None:
+    from pijax.errors import ConfigError
+    raise ConfigError("--host_dot is for dense runs on host weights of a GGUF; sparse modes and "
+                      "bundles use f32 rows (drop --host_dot).")
   if pick(GATE_SPARSE, "gate_sparse"):
     from pijax.errors import ConfigError
     raise ConfigError("--gate_sparse runs on quantized host weights of a plain GGUF; bundles and "

@@ -96,7 +96,8 @@ def wait_ready(base: str, proc, log=lambda: "", timeout: float = 300.0) -> list:
 
 @pytest.fixture(scope="session")
 def server():
-  """`python -m pijax.serve` on the default model (host weights), loopback, 512-token context.
+  """`python -m pijax.serve` on the default model (host weights, f32 decode products), loopback,
+  512-token context.
 
   Yields a dict: base (http://127.0.0.1:port), model (its id), health (the /health statuses
   seen while it loaded), proc, log (path of its stderr).
@@ -109,7 +110,11 @@ def server():
   log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
   proc = subprocess.Popen(
       [sys.executable, "-m", "pijax.serve", "--model=default", f"--port={port}",
-       "--max_seq_len=512", "--max_queue=8", "--host_threads=2"],
+       "--max_seq_len=512", "--max_queue=8", "--host_threads=2",
+       # f32 decode products: greedy text is checked against transformers up to its first
+       # near-tie (0.05), finer than int8 activations' error (tests/test_host_quant.py checks
+       # the int8 default against f32).
+       "--host_dot=f32"],
       stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
   base = f"http://127.0.0.1:{port}"
   try:

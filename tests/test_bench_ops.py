@@ -198,3 +198,32 @@ def test_cli_prints_the_read_bandwidth():
   first = proc.stdout.splitlines()[0]
   m = re.search(r"read bandwidth ([0-9.]+) GB/s \(\d+ threads\)", first)
   assert m and float(m.group(1)) > 0, first
+
+
+def test_matvec_copies_are_views_of_random_blocks():
+  from host_ops import qmatmul
+  mats = bo.matvec_copies(40, 64, "q4_1", 3)
+  assert len(mats) == 3 and all(w.shape == (40, 64) and w.kind == "q4_1" for w in mats)
+  assert mats[0].arrays[0].base is mats[2].arrays[0].base  # Views of one array.
+  assert len({w.arrays[0].tobytes() for w in mats}) == 3  # Each copy has its own codes.
+  q8 = bo.matvec_copies(8, 32, "q8_0", 2)[1]
+  assert q8.arrays[0].dtype == np.int8 and np.abs(q8.arrays[0]).max() > 0
+  m = bo.bench_matvec(mats, qmatmul.DOT_F32, seconds=0.01, cold_bytes=1e3)
+  assert m["time_s"] > 0 and m["g_weights_s"] > 0 and m["from_dram"]
+
+
+def test_cli_matvec_table():
+  from host_ops import qdot
+  proc = _run(*TINY, "--nosparse_ops", "-o", "json", "--noprogress")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  doc = json.loads(proc.stdout)
+  assert doc["rows"] == []
+  dots = ["f32", "int8"] if qdot.AVAILABLE else ["f32"]
+  got = [(r["matrix"], r["format"], r["dot"]) for r in doc["matvec"]]
+  assert got == [(m, f, d) for m in ("gate", "down") for f in ("q4_1", "q8_0") for d in dots]
+  for r in doc["matvec"]:
+    assert r["g_weights_s"] > 0 and r["vs_bandwidth"] > 0
+    assert (r["rows"], r["cols"]) == ((1536, 576) if r["matrix"] == "gate" else (576, 1536))
+  proc = _run(*TINY, "--nosparse_ops", "--noprogress", "--nobandwidth")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "| smollm2-135m | gate | 1536 x 576 | q4_1 | f32 |" in proc.stdout

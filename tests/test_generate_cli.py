@@ -118,8 +118,10 @@ def test_generate_streams_text_and_stats(smollm2):
 
 @pytest.mark.slow
 def test_generate_chat():
+  # f32 decode products: the first reply token is a near-tie (logit margin 0.09) that int8
+  # activations flip, as llama.cpp's do ("L'Étoile de France...": BUILD_NOTES, issue 11).
   proc = _run(CONFIG, "--prompt=What is the capital of France?", "--chat",
-              "--max_new_tokens=48")
+              "--max_new_tokens=48", "--host_dot=f32")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "Paris" in proc.stdout
   assert "stop: eos" in proc.stderr

@@ -58,10 +58,10 @@ def file_is_block_quantized(path: str | os.PathLike[str]) -> bool:
   return bool(mats) and all(_tensor_kind(t) is not None for t in mats)
 
 
-def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: str
-                  ) -> decoder_lib.HostDecoder:
+def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: str,
+                  dot: str = qmatmul.DOT_INT8) -> decoder_lib.HostDecoder:
   """Reads a GGUF, through its family's tensor map, into a HostDecoder in the `weights` format
-  ("gguf" | "q8_0").
+  ("gguf" | "q8_0") with decode products in `dot` ("int8" | "f32").
 
   Raises:
     GGUFError: missing tensors or types gguf cannot dequantize.
@@ -119,7 +119,7 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
       embedding, layers, f32("final_norm"), head, eps=config.rms_norm_eps,
       family=config.ffn_family, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
       head_dim=config.head_dim, rope_theta=config.rope_theta, rope_dim=config.rope_dim,
-      rope_scale=config.rope_scale, rope_adjacent=config.rope_style == ROPE_ADJACENT)
+      rope_scale=config.rope_scale, rope_adjacent=config.rope_style == ROPE_ADJACENT, dot=dot)
 
 
 @flax.struct.dataclass
@@ -263,11 +263,13 @@ def choose_weights(weights: str, *, path: str, dtype: Any, is_bundle: bool) -> s
 
 
 def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
-          calibration_chunks=None, gate_sparsity: float = 0.5) -> HostBackend:
+          calibration_chunks=None, gate_sparsity: float = 0.5,
+          dot: str = qmatmul.DOT_INT8) -> HostBackend:
   """A HostBackend for a GGUF, its numba kernels loaded (compiled on first use) before returning.
 
   Args:
     weights: "gguf" | "q8_0".
+    dot: "int8" | "f32": how decode matmuls treat activations (`HostDecoder`, --host_dot).
     gate_cuts: turn on the gate-first sparse FFN (`host_ops.gated_ffn`): None = off, True =
       on with cuts calibrated on `calibration_chunks` (int[t] token arrays) for `gate_sparsity`
       (SwiGLU), or zero cuts (ReLU families and gate_sparsity 0: exact zeros skipped).
@@ -277,7 +279,7 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
   """
   HostBackend.supports(config)
   try:
-    dec = build_decoder(path, config, weights)
+    dec = build_decoder(path, config, weights, dot=dot)
     # Load (first run: compile) numba's kernels now, not inside the first timed generation:
     # one decode-sized pass and one prefill-sized pass (above the gemv row limit).
     rows = qmatmul.GEMV_MAX_ROWS + 1
@@ -334,7 +336,8 @@ def calibration_chunks(model, path: str | None, n_chunks: int = 8, length: int =
 
 
 def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
-              gate_sparsity: float = 0.5, calibration_file: str | None = None) -> base.Backend:
+              gate_sparsity: float = 0.5, calibration_file: str | None = None,
+              dot: str = qmatmul.DOT_INT8) -> base.Backend:
   """The backend for a dense run of `model` (`pijax.engine.Model`) with `--host_weights`.
 
   Args:
@@ -344,6 +347,8 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
       `gate_sparsity` on `calibration_file` (CATS, arXiv 2404.08763 §3; never the evaluation
       text).
     gate_sparsity: SwiGLU target fraction of FFN neurons skipped, in [0, 1).
+    dot: "int8" (decode matmuls quantize activations per block of 32 and sum integer products,
+      llama.cpp's arithmetic) or "f32" (exact f32 activations; slower).
 
   Returns:
     A HostBackend, or the dense XlaBackend when the choice is "off".
@@ -355,6 +360,8 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
   from pijax.backends import xla
   if not (0.0 <= gate_sparsity < 1.0):
     raise ConfigError(f"--gate_sparsity={gate_sparsity} must be in [0, 1).")
+  if dot not in qmatmul.DOTS:
+    raise ConfigError(f"--host_dot={dot!r} must be one of {', '.join(qmatmul.DOTS)}.")
   weights = choose_weights(weights, path=model.path, dtype=model.dtype,
                            is_bundle=model.sparse is not None)
   if gate_sparse and weights == WEIGHTS_OFF:
@@ -366,4 +373,4 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
   if gate_sparse and model.config.ffn_family == "swiglu" and gate_sparsity > 0:
     chunks = calibration_chunks(model, calibration_file)
   return build(model.config, model.path, weights, gate_cuts=gate_sparse or None,
-               calibration_chunks=chunks, gate_sparsity=gate_sparsity)
+               calibration_chunks=chunks, gate_sparsity=gate_sparsity, dot=dot)

@@ -1,0 +1,105 @@
+"""Integer dot kernels (`host_ops.qdot`, issue 11): 8-bit block-quantized activations times the
+file's Q4_1 / Q8_0 blocks, against NumPy references on random blocks (never zeros), odd sizes,
+every batch size the gemv path takes, and the f32 product they approximate."""
+
+import numpy as np
+import pytest
+
+from host_ops import _common
+from host_ops import qdot
+from host_ops import qmatmul
+from host_ops._common import HostOpError
+
+needs_simd = pytest.mark.skipif(not qdot.AVAILABLE, reason="integer kernels need x86 AVX2")
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+  _common.set_host_threads(2)
+
+
+def _random(rng, kind, n, dim, *, extreme=False):
+  """Random blocks; extreme: every Q8_0 code at -128/127 and Q4_1 at 15 (largest i16 pair sums)."""
+  nb = dim // 32
+  d = rng.uniform(0.001, 0.05, (n, nb)).astype(np.float16).astype(np.float32)
+  if kind == "q4_1":
+    qs = np.full((n, dim // 2), 255, np.uint8) if extreme else \
+        rng.integers(0, 256, (n, dim // 2), dtype=np.uint8)
+    m = rng.uniform(-0.3, 0.1, (n, nb)).astype(np.float16).astype(np.float32)
+    return qmatmul.QMatrix(kind, (qs, d, m))
+  q = rng.choice(np.array([-128, 127], np.int8), (n, dim)) if extreme else \
+      rng.integers(-128, 128, (n, dim), dtype=np.int8)
+  return qmatmul.QMatrix(kind, (q, d))
+
+
+def _x(rng, b, dim):
+  x = rng.standard_normal((b, dim)).astype(np.float32) * rng.uniform(0.1, 10, (b, 1))
+  x[:, :32] *= 50  # A block of outliers, as real activations have.
+  if dim >= 96:
+    x[0, 32:64] = 0.0  # An all-zero block: scale 0, codes 0.
+  return x.astype(np.float32)
+
+
+@needs_simd
+@pytest.mark.parametrize("dim", [32, 96, 576, 1536])
+def test_quantize_x_matches_reference(dim):
+  rng = np.random.default_rng(dim)
+  x = _x(rng, 5, dim)
+  xq, dx, xsum = qdot.quantize_x(x)
+  rq, rdx, rsum = qdot.quantize_x_reference(x)
+  np.testing.assert_array_equal(xq, rq)
+  np.testing.assert_allclose(dx, rdx, rtol=1e-6)
+  np.testing.assert_allclose(xsum, rsum, rtol=1e-5, atol=1e-5 * np.abs(x).max())
+  assert np.abs(xq.astype(np.int32)).max() == 127  # Each block's largest value maps to +-127.
+  # Dequantized codes are within half a step of x.
+  err = np.abs(xq.reshape(5, -1, 32) * dx[..., None] - x.reshape(5, -1, 32))
+  assert (err <= dx[..., None] * 0.5 * (1 + 1e-5) + 1e-30).all()
+
+
+@needs_simd
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("n,dim", [(1, 32), (37, 96), (300, 576), (65, 1536)])
+@pytest.mark.parametrize("b", [1, 3, qmatmul.GEMV_MAX_ROWS])
+def test_gemv_matches_reference(kind, n, dim, b):
+  rng = np.random.default_rng(n * dim + b)
+  w = _random(rng, kind, n, dim)
+  x = _x(rng, b, dim)
+  got = w.matmul(x, dot="int8")
+  ref = qdot.matmul_reference(kind, w.arrays, x)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+  # The f32 product it approximates: the activation rounding only (~1/254 of a block's max).
+  exact = qmatmul.matmul_reference(w, x)
+  assert np.abs(got - exact).max() <= 3e-2 * np.abs(exact).max()
+
+
+@needs_simd
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_gemv_extreme_codes_do_not_saturate(kind):
+  """The largest codes (Q4_1 15, Q8_0 -128/127) times activations at +-127: the 16-bit pair
+  sums of vpmaddubsw stay below 2^15, so results are exact."""
+  rng = np.random.default_rng(3)
+  w = _random(rng, kind, 17, 128, extreme=True)
+  x = np.where(rng.random((2, 128)) < 0.5, -1.0, 1.0).astype(np.float32)  # codes exactly +-127
+  ref = qdot.matmul_reference(kind, w.arrays, x)
+  np.testing.assert_allclose(w.matmul(x, dot="int8"), ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+@needs_simd
+def test_matmul_vector_and_many_rows():
+  """A 1-D x is one row; above GEMV_MAX_ROWS rows the f32 tiled product runs whatever `dot`."""
+  rng = np.random.default_rng(9)
+  w = _random(rng, "q4_1", 40, 64)
+  x = _x(rng, qmatmul.GEMV_MAX_ROWS + 3, 64)
+  np.testing.assert_array_equal(w.matmul(x[0], dot="int8"), w.matmul(x[:1], dot="int8")[0])
+  np.testing.assert_array_equal(w.matmul(x, dot="int8"), w.matmul(x, dot="f32"))
+  with pytest.raises(HostOpError, match="dot must be"):
+    w.matmul(x, dot="int4")
+
+
+def test_unavailable_falls_back_to_f32(monkeypatch):
+  """Where the integer kernels cannot run, dot="int8" gives the f32 kernels' result."""
+  rng = np.random.default_rng(10)
+  w = _random(rng, "q8_0", 24, 64)
+  x = _x(rng, 2, 64)
+  monkeypatch.setattr(qdot, "AVAILABLE", False)
+  np.testing.assert_array_equal(w.matmul(x, dot="int8"), w.matmul(x, dot="f32"))
