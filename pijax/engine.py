@@ -29,7 +29,7 @@ from pijax.errors import ConfigError, ContextError
 from pijax.generation import (STOP_EOS, STOP_LENGTH, STOP_STRING, GenerationResult,
                                GenerationStats, Stream, TextOut, TokenStep)
 from pijax.formats.gguf import default_model_path
-from pijax.formats.loader import load_gguf, numpy_dtype
+from pijax.formats.loader import load_gguf, numpy_dtype, read_gguf
 from pijax.text.tokenizer import Tokenizer
 
 PREFILL_CHUNK = 512  # Longer prompts are prefilled in chunks of this many tokens.
@@ -185,7 +185,10 @@ class Model:
                metadata: dict[str, Any], *, max_seq_len: int, dtype: str, path: str,
                load_s: float = 0.0):
     self.config = config
-    self.params = params
+    # params: the tree, or a zero-argument function that loads it on first use (`load`): a
+    # run on host weights never needs the f32 tree (28 GB for a 7B model).
+    self._params = None if callable(params) else params
+    self._load_params = params if callable(params) else None
     self.tokenizer = tokenizer
     self.metadata = metadata
     self.max_seq_len = int(max_seq_len)
@@ -195,7 +198,26 @@ class Model:
     self.sparse = None
     self._compiled: dict[tuple, Any] = {}
     self.compile_s = 0.0  # Total AOT compile time so far.
-    self.backend: backend_lib.Backend = xla_backend.XlaBackend(config, params, self.dtype)
+    self.backend: backend_lib.Backend = xla_backend.XlaBackend(config, lambda: self.params,
+                                                               self.dtype)
+
+  @property
+  def params(self) -> Any:
+    """The dense param tree, read from the file (dequantized) on first use."""
+    if self._params is None and self._load_params is not None:
+      self._params = self._load_params()
+      self._load_params = None
+    return self._params
+
+  @params.setter
+  def params(self, value: Any) -> None:
+    self._params = value
+    self._load_params = None
+
+  @property
+  def params_loaded(self) -> bool:
+    """Whether the dense param tree is in memory (it is read on first use)."""
+    return self._params is not None
 
   def use_backend(self, backend: backend_lib.Backend) -> None:
     """Runs the model on `backend` from now on (compiled steps of the old one are dropped)."""
@@ -605,8 +627,12 @@ def load(path_or_default: str | os.PathLike[str] = "default", *, dtype: str = "f
   if max_seq_len is not None and int(max_seq_len) < 0:
     raise ConfigError(f"max_seq_len={max_seq_len} must be > 0 (or 0 for the model's context).")
   numpy_dtype(dtype)
-  config, params, metadata = load_gguf(path, dtype=dtype, ffn_activation=ffn_activation)
+  config, metadata = read_gguf(path, ffn_activation=ffn_activation)
   tokenizer = Tokenizer.from_metadata(metadata)
+
+  def params():  # Read when a step first needs the dense tree (not on host weights).
+    return load_gguf(path, dtype=dtype, ffn_activation=ffn_activation)[1]
+
   seq = config.context_length if not max_seq_len else min(int(max_seq_len),
                                                            config.context_length)
   return Model(config, params, tokenizer, metadata, max_seq_len=seq, dtype=dtype, path=path,

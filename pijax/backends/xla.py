@@ -18,7 +18,8 @@ class XlaBackend(base.Backend):
 
   Args:
     config: ModelConfig.
-    params: the param tree of `pijax.nn.transformer.Transformer` (`pijax.formats.loader.load_gguf`).
+    params: the param tree of `pijax.nn.transformer.Transformer` (`pijax.formats.loader.load_gguf`),
+      or a zero-argument function returning it (called when a step first needs it).
     dtype: numpy dtype of params and KV cache.
   """
 
@@ -35,6 +36,8 @@ class XlaBackend(base.Backend):
 
   @property
   def params(self) -> Any:
+    if callable(self._params):
+      self._params = self._params()
     return self._params
 
   def init_state(self, batch: int, max_seq_len: int) -> model_lib.KVCache:

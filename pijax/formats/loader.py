@@ -83,6 +83,41 @@ def dequantize(tensor: Any, path: str, dtype: np.dtype = np.dtype(np.float32),
   return out.reshape(shape)
 
 
+def read_gguf(path: str | os.PathLike[str], *, ffn_activation: str | None = None
+              ) -> tuple[ModelConfig, dict[str, Any]]:
+  """(config, metadata) of a GGUF, checking that every tensor the model needs is present with
+  its shape and a type `dequantize` reads (one row of each is decoded; no tensor is loaded).
+
+  Raises:
+    GGUFError: any problem with the file (see `open_gguf`, `config_from_metadata`), a missing
+      tensor or one of the wrong shape.
+  """
+  path = os.fspath(path)
+  reader, metadata = open_gguf(path)
+  tensors = {t.name: t for t in reader.tensors}
+  cfg = registry.config_from_metadata(metadata, path, set(tensors), ffn_activation)
+  names = registry.get_family(cfg.arch, path).tensors
+  d, n, k, h, f = (cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                   cfg.intermediate_size)
+  want = [("embedding", None, (cfg.vocab_size, d)), ("final_norm", None, (d,))]
+  if not cfg.tied_output:
+    want.append(("lm_head", None, (cfg.vocab_size, d)))
+  for i in range(cfg.n_layers):
+    want += [("attn_norm", i, (d,)), ("q", i, (n * h, d)), ("k", i, (k * h, d)),
+             ("v", i, (k * h, d)), ("o", i, (d, n * h)), ("ffn_norm", i, (d,)),
+             ("gate", i, (f, d)), ("up", i, (f, d)), ("down", i, (d, f))]
+  for role, i, shape in want:
+    name = names.name(role, i)
+    if name not in tensors:
+      raise GGUFError(f"{path}: tensor {name!r} is missing; the file is incomplete.")
+    got = tuple(int(x) for x in reversed(tensors[name].shape))
+    if got != shape:
+      raise GGUFError(f"{path}: tensor {name!r} has shape {got}, expected {shape}.")
+    # One row through the dequantizer: an unsupported type fails here, at load, not later.
+    dequantize(tensors[name], path, rows=(0, 1) if len(shape) == 2 else None)
+  return cfg, metadata
+
+
 def load_gguf(path: str | os.PathLike[str], *, dtype: str = "float32",
               ffn_activation: str | None = None,
               ) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
