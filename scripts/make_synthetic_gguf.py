@@ -82,7 +82,7 @@ def write(path: str, *, shape: str = "llama2-7b", qtype: str = "Q4_1",
   if activation != "silu":
     w.add_string("pijax.ffn_activation", activation)
   w.add_tokenizer_model("gpt2")
-  w.add_tokenizer_pre("gpt2")
+  w.add_tokenizer_pre("default")  # llama.cpp refuses "gpt2" as a pre-tokenizer name.
   w.add_token_list(["a", "b", "ab"] + [f"<t{i}>" for i in range(3, vocab)])
   w.add_token_types([gguf.TokenType.NORMAL] * vocab)
   w.add_token_merges(["a b"])
