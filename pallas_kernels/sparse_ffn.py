@@ -57,6 +57,14 @@ that takes a plain `pallas_call` grid with gathers):
 
 Indices must be unique: a duplicated id is counted twice (the reference does
 the same). `pad_indices` rejects duplicates for host (NumPy) inputs.
+
+Int8 rows (`scales=`, issue 11): gate/up/down rows int8 with one f32 scale per
+32 values of a row (Q8_0's layout: `quantize_rows_q8`), 1.125 bytes per weight
+against 2 for bf16. The kernel walks d in tiles of exactly 32 columns, so each
+tile has one scale per row: a [block_n] gather, broadcast over the tile, after
+the int8 tile is upcast to f32 (no reshapes, every tile a power of two).
+Checked in interpret mode against `sparse_ffn_reference`; not yet compiled or
+timed on a GPU (no device in the session that wrote it).
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ FAMILIES = ("swiglu", "reglu", "drelu")
 SENTINEL = -1
 WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                  jnp.dtype(jnp.float16))
+Q8_BLOCK = 32  # Values per f32 scale of int8 rows.
 
 # Largest [block_b, block_n, block_d] product (and [block_n, block_d] tile)
 # the default block_d keeps in registers.
@@ -269,6 +278,80 @@ def _sparse_ffn_kernel(
     loop(zero_step, 0)
 
 
+def quantize_rows_q8(rows) -> tuple[jax.Array, jax.Array]:
+  """rows: float[n, d] (d a multiple of 32) -> (q: i8[n, d], scales: f32[n, d / 32]).
+
+  Per block of 32 values: scale = max|block| / 127, q = round(rows / scale)
+  (0 for an all-zero block), as GGUF's Q8_0.
+  """
+  rows = jnp.asarray(rows, jnp.float32)
+  n, d = rows.shape
+  if d % Q8_BLOCK:
+    raise ValueError(f"int8 rows need d a multiple of {Q8_BLOCK}, got {d}")
+  blocks = rows.reshape(n, d // Q8_BLOCK, Q8_BLOCK)
+  scales = jnp.max(jnp.abs(blocks), axis=-1) / 127.0  # [n, d / 32]
+  inv = jnp.where(scales > 0, 1.0 / jnp.where(scales > 0, scales, 1.0), 0.0)
+  q = jnp.clip(jnp.round(blocks * inv[..., None]), -127, 127).astype(jnp.int8)
+  return q.reshape(n, d), scales.astype(jnp.float32)
+
+
+def _sparse_ffn_q8_kernel(
+    idx_ref,   # i32[block_n]
+    x_ref,     # f32[block_b, d]
+    gate_ref,  # i8[n_hot, d]
+    up_ref,    # i8[n_hot, d]
+    down_ref,  # i8[n_hot, d] (down transposed)
+    gs_ref,    # f32[n_hot, d / 32]: scales of gate_ref
+    us_ref,    # f32[n_hot, d / 32]
+    ds_ref,    # f32[n_hot, d / 32]
+    o_ref,     # f32[block_b, d]
+    *,
+    family: str,
+    use_dot: bool,
+):
+  """`_sparse_ffn_kernel` on int8 rows: tiles of 32 columns, one scale each."""
+  block_b, d = x_ref.shape
+  n_hot = gate_ref.shape[0]
+  n_d = d // Q8_BLOCK
+  idx = idx_ref[...]
+  valid = (idx >= 0) & (idx < n_hot)
+  rows = jnp.where(valid, idx, 0)
+  any_valid = jnp.sum(valid.astype(jnp.int32)) > 0
+
+  def cols(j):
+    return pl.ds(pl.multiple_of(j * Q8_BLOCK, Q8_BLOCK), Q8_BLOCK)
+
+  def tile(w_ref, s_ref, j):  # f32[block_n, 32]: the int8 tile times its row scales
+    w = w_ref[rows, cols(j)].astype(jnp.float32)
+    return w * s_ref[rows, pl.ds(j, 1)]  # [block_n, 1] broadcast over the tile
+
+  @pl.when(any_valid)
+  def _compute():
+    def gate_up_step(j, carry):
+      g, u = carry
+      xs = x_ref[:, cols(j)].astype(jnp.float32)  # [block_b, 32]
+      return (g + _matmul_nt(xs, tile(gate_ref, gs_ref, j), use_dot),
+              u + _matmul_nt(xs, tile(up_ref, us_ref, j), use_dot))
+
+    zeros = jnp.zeros((block_b, idx.shape[0]), jnp.float32)
+    g, u = lax.fori_loop(0, n_d, gate_up_step, (zeros, zeros))
+    a = jnp.where(valid[None, :], _activation(g, u, family), 0.0)
+
+    def down_step(j, carry):
+      o_ref[:, cols(j)] = _matmul_nn(a, tile(down_ref, ds_ref, j), use_dot)
+      return carry
+
+    lax.fori_loop(0, n_d, down_step, 0)
+
+  @pl.when(jnp.logical_not(any_valid))
+  def _all_sentinel():
+    def zero_step(j, carry):
+      o_ref[:, cols(j)] = jnp.zeros((block_b, Q8_BLOCK), jnp.float32)
+      return carry
+
+    lax.fori_loop(0, n_d, zero_step, 0)
+
+
 def _sparse_ffn_call(
     x: jax.Array,          # f32[b_pad, d]
     gate_rows: jax.Array,  # w[n_hot, d]
@@ -283,6 +366,7 @@ def _sparse_ffn_call(
     use_dot: bool,
     interpret: bool,
     compiler_params: plgpu.CompilerParams | None,
+    scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
   """Builds and runs the pallas_call; returns partials f32[n_blocks, b_pad, d].
 
@@ -294,25 +378,32 @@ def _sparse_ffn_call(
   n_hot = gate_rows.shape[0]
   n_blocks = indices.shape[0] // block_n
   grid = (n_blocks, b_pad // block_b)
-  kernel = functools.partial(
-      _sparse_ffn_kernel, family=family, block_d=block_d, use_dot=use_dot)
   whole = pl.BlockSpec((n_hot, d), lambda i, j: (0, 0))
+  in_specs = [
+      pl.BlockSpec((block_n,), lambda i, j: (i,)),  # indices
+      pl.BlockSpec((block_b, d), lambda i, j: (j, 0)),  # x
+      whole,  # gate_rows
+      whole,  # up_rows
+      whole,  # down_rows
+  ]
+  args = (indices, x, gate_rows, up_rows, down_rows)
+  if scales is None:
+    kernel = functools.partial(
+        _sparse_ffn_kernel, family=family, block_d=block_d, use_dot=use_dot)
+  else:
+    kernel = functools.partial(_sparse_ffn_q8_kernel, family=family, use_dot=use_dot)
+    in_specs += [pl.BlockSpec((n_hot, d // Q8_BLOCK), lambda i, j: (0, 0))] * 3
+    args += tuple(scales)
   return pl.pallas_call(
       kernel,
       grid=grid,
-      in_specs=[
-          pl.BlockSpec((block_n,), lambda i, j: (i,)),  # indices
-          pl.BlockSpec((block_b, d), lambda i, j: (j, 0)),  # x
-          whole,  # gate_rows
-          whole,  # up_rows
-          whole,  # down_rows
-      ],
+      in_specs=in_specs,
       out_specs=pl.BlockSpec((None, block_b, d), lambda i, j: (i, j, 0)),
       out_shape=jax.ShapeDtypeStruct((n_blocks, b_pad, d), jnp.float32),
       interpret=interpret,
       compiler_params=compiler_params,
-      name="sparse_ffn",
-  )(indices, x, gate_rows, up_rows, down_rows)
+      name="sparse_ffn_q8" if scales is not None else "sparse_ffn",
+  )(*args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,8 +417,30 @@ class _Plan:
   use_dot: bool
 
 
-def _validate(x, gate_rows, up_rows, down_rows, indices, family) -> None:
+def _validate_scales(gate_rows, scales) -> None:
+  """int8 rows need scales (three f32[n_hot, d / 32]); float rows take none."""
+  is_int8 = jnp.dtype(gate_rows.dtype) == jnp.dtype(jnp.int8)
+  if scales is None:
+    if is_int8:
+      raise ValueError("int8 rows need scales=(gate, up, down) f32[n_hot, d / 32] "
+                       "(see quantize_rows_q8)")
+    return
+  if not is_int8:
+    raise ValueError(f"scales are for int8 rows; the rows are {gate_rows.dtype}")
+  n_hot, d = gate_rows.shape
+  if d % Q8_BLOCK:
+    raise ValueError(f"int8 rows need d a multiple of {Q8_BLOCK}, got {d}")
+  if len(scales) != 3:
+    raise ValueError(f"scales must be (gate, up, down), got {len(scales)} arrays")
+  for name, sc in zip(("gate", "up", "down"), scales):
+    if sc.shape != (n_hot, d // Q8_BLOCK) or sc.dtype != jnp.float32:
+      raise ValueError(f"{name} scales must be f32[{n_hot}, {d // Q8_BLOCK}], got "
+                       f"{sc.dtype}{list(sc.shape)}")
+
+
+def _validate(x, gate_rows, up_rows, down_rows, indices, family, scales=None) -> None:
   """Checks ranks, shapes and dtypes shared by kernel and reference."""
+  _validate_scales(gate_rows, scales)
   if family not in FAMILIES:
     raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
   if x.ndim not in (1, 2):
@@ -344,7 +457,7 @@ def _validate(x, gate_rows, up_rows, down_rows, indices, family) -> None:
     if w.dtype != gate_rows.dtype:
       raise ValueError(f"{name} has dtype {w.dtype} but gate_rows has"
                        f" {gate_rows.dtype}")
-  if jnp.dtype(gate_rows.dtype) not in WEIGHT_DTYPES:
+  if jnp.dtype(gate_rows.dtype) not in WEIGHT_DTYPES and scales is None:
     raise ValueError(f"weights must be one of {[str(t) for t in WEIGHT_DTYPES]},"
                      f" got {gate_rows.dtype}")
   if x.shape[-1] != gate_rows.shape[1]:
@@ -388,11 +501,16 @@ def _plan(b: int, d: int, n_idx: int, block_n: int,
 
 
 def _sparse_ffn_impl(x, gate_rows, up_rows, down_rows, indices, *, family,
-                     block_n, block_d, interpret, compiler_params):
+                     block_n, block_d, interpret, compiler_params, scales=None):
   """Unjitted body of `sparse_ffn` (compiler_params chosen by the caller)."""
-  _validate(x, gate_rows, up_rows, down_rows, indices, family)
+  _validate(x, gate_rows, up_rows, down_rows, indices, family, scales)
   x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # [b, d]
   b, d = x2.shape
+  if scales is not None:
+    if block_d not in (None, Q8_BLOCK):
+      raise ValueError(f"int8 rows are walked in tiles of {Q8_BLOCK} columns; got "
+                       f"block_d={block_d}")
+    block_d = Q8_BLOCK
   plan = _plan(b, d, indices.shape[0], block_n, block_d)
   n_hot = gate_rows.shape[0]
   n_out = indices.shape[0] // plan.block_n * plan.b_pad * d
@@ -407,7 +525,7 @@ def _sparse_ffn_impl(x, gate_rows, up_rows, down_rows, indices, *, family,
       x2, gate_rows, up_rows, down_rows, indices, family=family,
       block_n=plan.block_n, block_b=plan.block_b, block_d=plan.block_d,
       use_dot=plan.use_dot, interpret=interpret,
-      compiler_params=compiler_params)  # [n_blocks, b_pad, d]
+      compiler_params=compiler_params, scales=scales)  # [n_blocks, b_pad, d]
   y = jnp.sum(partials, axis=0)[:b]  # [b, d]
   return y.reshape(x.shape[:-1] + (d,))
 
@@ -429,6 +547,7 @@ def sparse_ffn(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
+    scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
   """Sparse FFN over active hot neurons with a Pallas gather kernel.
 
@@ -446,10 +565,15 @@ def sparse_ffn(
     num_warps: Triton warps per program (GPU only; default 4).
     num_stages: Triton pipeline stages (GPU only; default 2).
     interpret: run the Pallas interpreter (CPU tests) instead of compiling.
+    scales: with int8 rows, their f32[n_hot, d / 32] scales (gate, up, down),
+      e.g. from `quantize_rows_q8`; block_d is then 32.
 
   Returns:
     f32[b, d] (f32[d] for 1-D x): sum over valid i of act(gate_i.x, up_i.x)
     * down_i, accumulated in f32.
+
+  Raises:
+    ValueError: shapes, dtypes or block sizes the kernel cannot take.
   """
   backend = jax.default_backend()
   compiler_params = None
@@ -464,7 +588,7 @@ def sparse_ffn(
   return _sparse_ffn_impl(
       x, gate_rows, up_rows, down_rows, indices, family=family,
       block_n=block_n, block_d=block_d, interpret=interpret,
-      compiler_params=compiler_params)
+      compiler_params=compiler_params, scales=scales)
 
 
 @functools.partial(jax.jit, static_argnames=("family",))
@@ -476,6 +600,7 @@ def sparse_ffn_reference(
     indices: jax.Array,
     *,
     family: str = "swiglu",
+    scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
   """Plain-jnp sparse FFN (the CPU path): gather rows, mask, two matmuls.
 
@@ -488,19 +613,29 @@ def sparse_ffn_reference(
     gate_rows, up_rows, down_rows: w[n_hot, d] (down transposed).
     indices: i32[n_idx]; entries < 0 or >= n_hot are ignored.
     family: "swiglu", "reglu" or "drelu".
+    scales: with int8 rows, their f32[n_hot, d / 32] scales (gate, up, down);
+      gathered rows are dequantized (row * its block's scale) before the
+      matmuls.
 
   Returns:
     f32[b, d] (f32[d] for 1-D x).
   """
-  _validate(x, gate_rows, up_rows, down_rows, indices, family)
+  _validate(x, gate_rows, up_rows, down_rows, indices, family, scales)
   n_hot, d = gate_rows.shape
   x2 = x.reshape(-1, d).astype(jnp.float32)  # [b, d]
   valid = (indices >= 0) & (indices < n_hot)  # [n_idx]
   rows = jnp.where(valid, indices, 0)  # [n_idx]
-  take = lambda w: jnp.take(w, rows, axis=0, mode="clip").astype(jnp.float32)
+
+  def take(w, k):
+    out = jnp.take(w, rows, axis=0, mode="clip").astype(jnp.float32)  # [n_idx, d]
+    if scales is not None:
+      sc = jnp.take(scales[k], rows, axis=0, mode="clip")  # [n_idx, d / 32]
+      out = out * jnp.repeat(sc, Q8_BLOCK, axis=1)
+    return out
+
   hi = lax.Precision.HIGHEST
-  g = jnp.einsum("bd,nd->bn", x2, take(gate_rows), precision=hi)  # [b, n_idx]
-  u = jnp.einsum("bd,nd->bn", x2, take(up_rows), precision=hi)  # [b, n_idx]
+  g = jnp.einsum("bd,nd->bn", x2, take(gate_rows, 0), precision=hi)  # [b, n_idx]
+  u = jnp.einsum("bd,nd->bn", x2, take(up_rows, 1), precision=hi)  # [b, n_idx]
   a = jnp.where(valid[None, :], _activation(g, u, family), 0.0)  # [b, n_idx]
-  y = jnp.einsum("bn,nd->bd", a, take(down_rows), precision=hi)  # [b, d]
+  y = jnp.einsum("bn,nd->bd", a, take(down_rows, 2), precision=hi)  # [b, d]
   return y.reshape(x.shape[:-1] + (d,))

@@ -236,6 +236,51 @@ class SparseFfnTest(parameterized.TestCase):
                     interpret=self.INTERPRET, **kwargs)
 
 
+  @parameterized.product(family=FAMILIES, kind=("empty", "single", "half", "full"),
+                         b=(1, 3, 16))
+  def test_int8_rows_match_reference_and_numpy(self, family, kind, b):
+    """Int8 rows with one f32 scale per 32 values (Q8_0 layout): the kernel equals the jnp
+    reference and a float64 NumPy FFN on the dequantized rows, for empty, single, half and
+    full active sets, decode and dot-path batch tiles; and stays within the 8-bit rounding
+    of the f32 rows it was quantized from."""
+    n_hot, d = 96, 160  # d = 5 tiles of 32: not a power of two.
+    x, gate, up, down = _problem(11, n_hot, d, b)
+    quant = [sf.quantize_rows_q8(w) for w in (gate, up, down)]
+    q = [jnp.asarray(qw) for qw, _ in quant]
+    scales = tuple(sc for _, sc in quant)
+    deq = [np.asarray(qw, np.float64) * np.repeat(np.asarray(sc, np.float64), 32, axis=1)
+           for qw, sc in quant]
+    ids = _active(3, n_hot, kind)
+    idx = sf.pad_indices(ids, sf.next_pow2(max(len(ids), 1)))
+    got = sf.sparse_ffn(jnp.asarray(x), *q, jnp.asarray(idx), family=family,
+                        scales=scales, block_n=16, interpret=self.INTERPRET)
+    ref = sf.sparse_ffn_reference(jnp.asarray(x), *q, jnp.asarray(idx), family=family,
+                                  scales=scales)
+    want = _numpy_ffn(x, *deq, ids, family)
+    _check(f"q8 {family} {kind} b={b} kernel-vs-numpy", got, want, F32_TOL)
+    _check(f"q8 {family} {kind} b={b} reference-vs-numpy", ref, want, F32_TOL)
+    if kind == "empty":
+      assert not np.asarray(got).any()
+    else:
+      _check(f"q8 {family} {kind} vs f32 rows", got,
+             _numpy_ffn(x, gate, up, down, ids, family), 5e-2)
+
+  def test_int8_rows_validation(self):
+    x, gate, up, down = _problem(2, 32, 64, 1)
+    (qg, sg), (qu, su), (qd, sd) = (sf.quantize_rows_q8(w) for w in (gate, up, down))
+    idx = jnp.asarray(sf.pad_indices(np.arange(4), 4))
+    run = functools.partial(sf.sparse_ffn, interpret=self.INTERPRET)
+    with self.assertRaisesRegex(ValueError, "need scales"):
+      run(jnp.asarray(x), qg, qu, qd, idx)
+    with self.assertRaisesRegex(ValueError, "scales are for int8 rows"):
+      run(jnp.asarray(x), *(jnp.asarray(w) for w in (gate, up, down)), idx,
+          scales=(sg, su, sd))
+    with self.assertRaisesRegex(ValueError, "up scales must be"):
+      run(jnp.asarray(x), qg, qu, qd, idx, scales=(sg, su[:, :1], sd))
+    with self.assertRaisesRegex(ValueError, "tiles of 32"):
+      run(jnp.asarray(x), qg, qu, qd, idx, scales=(sg, su, sd), block_d=64)
+
+
 class SparseFfnInterpretTest(SparseFfnTest):
   """The same tests through the Pallas interpreter (any backend)."""
 
@@ -253,6 +298,21 @@ def test_compiling_without_gpu_is_a_clear_error():
   w = jnp.ones((64, 64))
   with pytest.raises(ValueError, match="sparse_ffn_reference"):
     sf.sparse_ffn(jnp.ones((1, 64)), w, w, w, jnp.zeros((16,), jnp.int32))
+
+
+def test_quantize_rows_q8():
+  rng = np.random.default_rng(4)
+  rows = rng.standard_normal((5, 64)).astype(np.float32)
+  rows[1, :32] = 0.0  # An all-zero block: scale 0, codes 0.
+  q, sc = sf.quantize_rows_q8(rows)
+  q, sc = np.asarray(q), np.asarray(sc)
+  assert q.dtype == np.int8 and sc.shape == (5, 2) and sc[1, 0] == 0 and not q[1, :32].any()
+  np.testing.assert_allclose(sc, np.abs(rows.reshape(5, 2, 32)).max(-1) / 127, rtol=1e-6)
+  err = np.abs(q.reshape(5, 2, 32) * sc[..., None] - rows.reshape(5, 2, 32))
+  assert (err <= sc[..., None] / 2 * (1 + 1e-5) + 1e-12).all()
+  assert np.abs(q).max() == 127
+  with pytest.raises(ValueError, match="multiple of 32"):
+    sf.quantize_rows_q8(rows[:, :48])
 
 
 def test_next_pow2():
