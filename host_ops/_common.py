@@ -36,7 +36,9 @@ FAMILIES = tuple(FAMILY_CODES)
 # assumes no infinities); silu(g) there is g * exp(g) to f32 precision (|silu(-80)| ~ 1e-33).
 _SILU_FLOOR = -80.0
 
-_JIT = dict(nogil=True, fastmath=True, cache=True)
+# error_model "numpy": a float division by zero gives inf/nan (as NumPy) instead of raising
+# ZeroDivisionError out of a kernel (seen with NaN weights in a corrupt file).
+_JIT = dict(nogil=True, fastmath=True, cache=True, error_model="numpy")
 
 # Software prefetch of the next active neuron's rows: PREFETCH_AHEAD neurons ahead in a thread's
 # range (0 = off; read at each call), the first PREFETCH_BYTES of each row and Q8 scale row (fixed

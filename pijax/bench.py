@@ -120,7 +120,7 @@ def weight_bytes_per_token(model, ffn_sparsity: float) -> tuple[int, int]:
 
 
 def weights_label(model) -> str:
-  """How the weights are held: the dtype ("float32", XLA), or e.g. "q4_1+q8_0 host"."""
+  """How the weights are held: the dtype ("float32", XLA), or e.g. "q4_1+q8_0 host int8"."""
   return model.weights_label
 
 

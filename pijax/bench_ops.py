@@ -689,7 +689,7 @@ def _split(text: str) -> list[str]:
 def parse_options(*, shapes: str, sparsities: str, formats: str, ops: str, threads: int,
                   seconds: float, output: str, alpha: float = DEFAULT_ALPHA, seed: int = 0,
                   max_gb: float = DEFAULT_MAX_GB, cold_mb: float | None = None,
-                  backend: str | None = None) -> Options:
+                  backend: str | None = None, sparse_ops: bool = True) -> Options:
   """Checks flag values; raises ConfigError with one line naming the bad flag.
 
   ops "auto" = host, plus pallas when backend == "gpu". backend: jax.default_backend() (only
@@ -725,7 +725,7 @@ def parse_options(*, shapes: str, sparsities: str, formats: str, ops: str, threa
     op_list = [o for o in (OP_HOST, OP_PALLAS) if o in op_names]
   usable = [(o, f) for o in op_list for f in fmts
             if f in (HOST_FORMATS if o == OP_HOST else PALLAS_FORMATS)]
-  if not usable:
+  if not usable and sparse_ops:
     raise ConfigError(f"--formats={formats!r}: no format for the ops run here "
                       f"({', '.join(op_list)}; host: f32, q8; pallas: f32, bf16).")
   limit = numba.config.NUMBA_NUM_THREADS
@@ -747,7 +747,7 @@ def parse_options(*, shapes: str, sparsities: str, formats: str, ops: str, threa
                  seconds=float(seconds), output=output, alpha=float(alpha), seed=int(seed),
                  max_bytes=float(max_gb) * 1e9,
                  cold_bytes=None if cold_mb is None else float(cold_mb) * 1e6, backend=backend)
-  if OP_HOST in op_list:
+  if OP_HOST in op_list and sparse_ops:  # The sparse table's layer copies must fit.
     cold = opts.cold_bytes or COLD_FACTOR * l3_bytes()
     for name in opts.shapes:
       d, n = SHAPES[name]
@@ -886,7 +886,11 @@ def main(argv: list[str]) -> None:
     backend = jax.default_backend()
   opts = parse_options(shapes=f.shapes, sparsities=f.sparsities, formats=f.formats, ops=f.ops,
                        threads=f.threads, seconds=f.seconds, output=f.output, alpha=f.alpha,
-                       seed=f.seed, max_gb=f.max_gb, cold_mb=f.cold_mb, backend=backend)
+                       seed=f.seed, max_gb=f.max_gb, cold_mb=f.cold_mb, backend=backend,
+                       sparse_ops=f.sparse_ops)
+  if not f.sparse_ops and not (f.matvec and OP_HOST in opts.ops):
+    raise ConfigError("nothing to run: --nosparse_ops and no dense matvec table (it needs "
+                      "--matvec and the host op in --ops); drop --nosparse_ops or add --matvec.")
   info = machine_info(opts.threads, backend if OP_PALLAS in opts.ops else None)
   cold = opts.cold_bytes or COLD_FACTOR * info["l3_bytes"]
   opts.cold_bytes = cold

@@ -25,7 +25,7 @@ from pijax import sampling as sampling_lib
 from pijax.arch.spec import ModelConfig
 from pijax.backends import base as backend_lib
 from pijax.backends import xla as xla_backend
-from pijax.errors import ConfigError, ContextError
+from pijax.errors import ConfigError, ContextError, GGUFError
 from pijax.generation import (STOP_EOS, STOP_LENGTH, STOP_STRING, GenerationResult,
                                GenerationStats, Stream, TextOut, TokenStep)
 from pijax.formats.gguf import default_model_path
@@ -187,6 +187,7 @@ class Model:
     self.config = config
     # params: the tree, or a zero-argument function that loads it on first use (`load`): a
     # run on host weights never needs the f32 tree (28 GB for a 7B model).
+    self.file_stamp = None  # (GGUF path, (size, mtime)) when `load` read its metadata.
     self._params = None if callable(params) else params
     self._load_params = params if callable(params) else None
     self.tokenizer = tokenizer
@@ -226,7 +227,7 @@ class Model:
 
   @property
   def weights_label(self) -> str:
-    """How the weights are held: the dtype ("float32", XLA), or e.g. "q4_1+q8_0 host"."""
+    """How the weights are held: the dtype ("float32", XLA), or e.g. "q4_1+q8_0 host int8"."""
     return self.backend.label
 
   @property
@@ -243,6 +244,8 @@ class Model:
     """Dense run on quantized host weights, or back to XLA ("off"); see
     `pijax.backends.host.for_model` for the options and errors. Returns the format in use."""
     from pijax.backends import host
+    if self.file_stamp is not None:  # The host path reads the file's blocks now.
+      check_unchanged(*self.file_stamp)
     self.use_backend(host.for_model(self, weights, **options))
     return self.host_weights
 
@@ -630,10 +633,31 @@ def load(path_or_default: str | os.PathLike[str] = "default", *, dtype: str = "f
   config, metadata = read_gguf(path, ffn_activation=ffn_activation)
   tokenizer = Tokenizer.from_metadata(metadata)
 
+  stamp = _file_stamp(path)
+
   def params():  # Read when a step first needs the dense tree (not on host weights).
+    check_unchanged(path, stamp)
     return load_gguf(path, dtype=dtype, ffn_activation=ffn_activation)[1]
 
   seq = config.context_length if not max_seq_len else min(int(max_seq_len),
                                                            config.context_length)
-  return Model(config, params, tokenizer, metadata, max_seq_len=seq, dtype=dtype, path=path,
-               load_s=time.perf_counter() - start)
+  model = Model(config, params, tokenizer, metadata, max_seq_len=seq, dtype=dtype, path=path,
+                load_s=time.perf_counter() - start)
+  model.file_stamp = (path, stamp)
+  return model
+
+
+def _file_stamp(path: str) -> tuple[int, int] | None:
+  try:
+    st = os.stat(path)
+  except OSError:
+    return None
+  return st.st_size, st.st_mtime_ns
+
+
+def check_unchanged(path: str, stamp: tuple[int, int] | None) -> None:
+  """Raises GGUFError when the model file changed (size or mtime) since `load` read its
+  metadata: weights read later (lazily) would not match the config."""
+  now = _file_stamp(path)
+  if stamp is not None and now is not None and now != stamp:
+    raise GGUFError(f"{path}: the file changed since it was loaded; load it again.")

@@ -49,9 +49,10 @@ HOST_WEIGHTS = flags.DEFINE_enum(
     "q8_0: everything int8). auto: gguf on a CPU backend for Q4_1/Q8_0 files, else off (f32 XLA).")
 
 HOST_DOT = flags.DEFINE_enum(
-    "host_dot", None, ["int8", "f32"], "Host weights: decode matmuls on activations quantized to "
-    "8 bits per block of 32 with integer dot products (int8, the default; llama.cpp's "
-    "arithmetic), or on f32 activations (f32: the f32 path's values, slower).")
+    "host_dot", None, ["int8", "f32"], "Host weights: decode matmuls (passes of at most 8 "
+    "tokens) on activations quantized to 8 bits per block of 32 with integer dot products "
+    "(int8, the default; llama.cpp's arithmetic), or on f32 activations (f32: the f32 path's "
+    "values, slower). Prefill passes use f32 activations either way.")
 
 
 GATE_SPARSE = flags.DEFINE_bool(
@@ -143,7 +144,7 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
         host_weights, gate_sparse=bool(pick(GATE_SPARSE, "gate_sparse")),
         gate_sparsity=0.5 if sparsity is None else sparsity,
         calibration_file=pick(CALIBRATION_FILE, "calibration_file"),
-        dot=pick(HOST_DOT, "host_dot") or "int8")
+        dot=pick(HOST_DOT, "host_dot"))
     return
   if host_weights not in ("auto", "off"):
     from pijax.errors import ConfigError

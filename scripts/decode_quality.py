@@ -21,6 +21,11 @@ def _log_softmax(x):
   return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+def _fail(message):
+  print(f"decode_quality: error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("-m", "--model", default="default")
@@ -29,18 +34,34 @@ def main():
   parser.add_argument("--chunks", type=int, default=4)
   parser.add_argument("-t", "--threads", type=int, default=2)
   args = parser.parse_args()
+  if args.ctx_size < 4 or args.ctx_size % 2:
+    _fail(f"-c {args.ctx_size} must be even and >= 4 (tokens per chunk).")
+  if args.chunks < 1:
+    _fail(f"--chunks {args.chunks} must be >= 1.")
+  try:
+    with open(args.file, encoding="utf-8") as fh:
+      text = fh.read()
+  except (OSError, UnicodeDecodeError) as err:
+    _fail(f"-f {args.file}: cannot read the text ({err}).")
   import host_ops
   import pijax
-  host_ops.set_host_threads(args.threads)
-  model = pijax.load(args.model, max_seq_len=args.ctx_size)
-  if model.configure_host_weights("auto") == "off":
-    sys.exit(f"decode_quality: {args.model} does not run on host weights")
+  from pijax.errors import PijaxError
+  try:
+    host_ops.set_host_threads(args.threads)
+    model = pijax.load(args.model, max_seq_len=args.ctx_size)
+    weights = model.configure_host_weights("auto")
+  except (PijaxError, host_ops.HostOpError) as err:
+    _fail(str(err))
+  if weights == "off":
+    _fail(f"{args.model} does not run on host weights (its matrices are not all Q4_1/Q8_0).")
   dec = model.backend.decoder
   if dec.dot != "int8":
-    sys.exit("decode_quality: the integer kernels do not run on this CPU (no AVX2)")
-  with open(args.file, encoding="utf-8") as fh:
-    ids = model.tokenizer.encode(fh.read(), add_special=False)
+    _fail("the integer kernels do not run on this CPU (no AVX2).")
+  ids = model.tokenizer.encode(text, add_special=False)
   n, first = args.ctx_size, args.ctx_size // 2
+  if len(ids) < n * args.chunks:
+    _fail(f"-f {args.file} holds {len(ids)} tokens; -c {n} --chunks {args.chunks} needs "
+          f"{n * args.chunks}.")
   nll = {"f32": [], "int8": []}
   kld, agree = [], []
   for c in range(args.chunks):

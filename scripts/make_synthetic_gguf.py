@@ -7,8 +7,9 @@ Shapes (LLaMA-2-7B): hidden_size 4096, intermediate_size 11008, 32 layers, 32 he
 heads), head_dim 128, vocab 32000, rope_theta 10000. Every matrix is random blocks of `--type`
 (Q4_1 or Q8_0: the block formats the host path reads as they are) with scales chosen so weights
 have std ~0.02 and mean 0 (Q4_1: d = 0.0043, m = -7.5 d, codes uniform), norms are ones, and the
-tokenizer is a placeholder BPE vocabulary ("a", "b", "ab", then "<t3>".."<t31999>"): the text it
-generates means nothing; the bytes read per token are those of a 7B model.
+tokenizer is a placeholder BPE vocabulary ("a", "b", "ab", then "<t3>".."<t31999>"): prompts
+can only use "a" and "b" (other characters have no token), the text it generates means nothing;
+the bytes read per token are those of a 7B model. An existing --out file is replaced.
 
 `--activation drelu` writes `pijax.ffn_activation = "drelu"` (relu(gate x) * relu(up x)), so with
 gate and up independent and symmetric ~75% of FFN neurons are inactive per token by
@@ -60,11 +61,24 @@ def write(path: str, *, shape: str = "llama2-7b", qtype: str = "Q4_1",
                                                                             "relu"):
     raise ValueError(f"shape {shape!r} / type {qtype!r} / activation {activation!r}: use "
                      f"{', '.join(SHAPES)} / {', '.join(BLOCK_BYTES)} / drelu, silu, relu")
+  if seed < 0:
+    raise ValueError(f"seed must be >= 0, got {seed}")
   s = SHAPES[shape]
+  tmp = path + ".tmp"
+  try:
+    _write_to(tmp, gguf, s, qtype, activation, seed, shape)
+    os.replace(tmp, path)
+  finally:  # No half-written file is left behind, whatever failed.
+    if os.path.exists(tmp):
+      os.remove(tmp)
+  return os.path.getsize(path)
+
+
+def _write_to(tmp, gguf, s, qtype, activation, seed, shape) -> None:
+  """Writes the file (see `write`) to `tmp`."""
   hidden, ffn, heads, kv, vocab = s["hidden"], s["ffn"], s["heads"], s["kv_heads"], s["vocab"]
   hd = hidden // heads
   gtype = getattr(gguf.GGMLQuantizationType, qtype)
-  tmp = path + ".tmp"
   w = gguf.GGUFWriter(tmp, "llama")
   w.add_name(f"synthetic-{shape}-{activation}")
   w.add_block_count(s["layers"])
@@ -120,26 +134,37 @@ def write(path: str, *, shape: str = "llama2-7b", qtype: str = "Q4_1",
              for lo in range(0, rows, _CHUNK_ROWS)]
     w.write_tensor_data(np.concatenate(parts))
   w.close()
-  os.replace(tmp, path)
-  return os.path.getsize(path)
+
+
+def _fail(message: str) -> None:
+  print(f"make_synthetic_gguf: error: {message}", file=sys.stderr)
+  sys.exit(2)
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", required=True, help="GGUF file to write")
+  parser.add_argument("--out", required=True, help="GGUF file to write (replaced if it exists)")
   parser.add_argument("--shape", default="llama2-7b", choices=sorted(SHAPES))
   parser.add_argument("--type", default="Q4_1", choices=sorted(BLOCK_BYTES))
   parser.add_argument("--activation", default="drelu", choices=["drelu", "silu", "relu"])
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
+  # Everything checked before the first byte is written.
+  if not args.out or args.out.endswith(os.sep) or os.path.isdir(args.out):
+    _fail(f"--out={args.out!r} must name a file (e.g. /tmp/synthetic-7b.gguf), not a folder.")
   folder = os.path.dirname(os.path.abspath(args.out))
   if not os.path.isdir(folder):
-    print(f"make_synthetic_gguf: error: no folder {folder} for --out; create it first.",
-          file=sys.stderr)
-    sys.exit(2)
+    _fail(f"no folder {folder} for --out; create it first.")
+  if not os.access(folder, os.W_OK):
+    _fail(f"cannot write in {folder} (--out); choose a writable folder.")
+  if args.seed < 0:
+    _fail(f"--seed={args.seed} must be >= 0.")
   t0 = time.perf_counter()
-  size = write(args.out, shape=args.shape, qtype=args.type, activation=args.activation,
-               seed=args.seed)
+  try:
+    size = write(args.out, shape=args.shape, qtype=args.type, activation=args.activation,
+                 seed=args.seed)
+  except OSError as err:
+    _fail(f"writing {args.out} failed ({err.strerror or err}); nothing was written.")
   print(f"{args.out}: {size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
 
 

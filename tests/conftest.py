@@ -94,14 +94,10 @@ def wait_ready(base: str, proc, log=lambda: "", timeout: float = 300.0) -> list:
   raise AssertionError("the server did not become ready: " + log())
 
 
-@pytest.fixture(scope="session")
-def server():
-  """`python -m pijax.serve` on the default model (host weights, f32 decode products), loopback,
-  512-token context.
-
-  Yields a dict: base (http://127.0.0.1:port), model (its id), health (the /health statuses
-  seen while it loaded), proc, log (path of its stderr).
-  """
+def spawn_server(*args: str):
+  """Starts `python -m pijax.serve --model=default` with `args` on a free loopback port and
+  waits until it is ready; yields (for a fixture) a dict: base (http://127.0.0.1:port), model
+  (its id), health (the /health statuses seen while it loaded), proc, log (its stderr)."""
   import subprocess
   import sys
   import tempfile
@@ -109,12 +105,7 @@ def server():
   port = free_port()
   log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
   proc = subprocess.Popen(
-      [sys.executable, "-m", "pijax.serve", "--model=default", f"--port={port}",
-       "--max_seq_len=512", "--max_queue=8", "--host_threads=2",
-       # f32 decode products: greedy text is checked against transformers up to its first
-       # near-tie (0.05), finer than int8 activations' error (tests/test_host_quant.py checks
-       # the int8 default against f32).
-       "--host_dot=f32"],
+      [sys.executable, "-m", "pijax.serve", "--model=default", f"--port={port}", *args],
       stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
   base = f"http://127.0.0.1:{port}"
   try:
@@ -127,3 +118,14 @@ def server():
       proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
       proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server():
+  """`python -m pijax.serve` on the default model (host weights, f32 decode products), loopback,
+  512-token context (see `spawn_server` for what it yields)."""
+  # f32 decode products: greedy text is checked against transformers up to its first near-tie
+  # (0.05), finer than int8 activations' error (tests/test_host_quant.py checks the int8
+  # default against f32).
+  yield from spawn_server("--max_seq_len=512", "--max_queue=8", "--host_threads=2",
+                          "--host_dot=f32")

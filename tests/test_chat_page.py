@@ -32,6 +32,15 @@ def browser():
   shutil.rmtree(profile, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def page_server():
+  """A server of its own with a 2048-token context: the page sends no sampling settings, so
+  the reply length is random, and a long first reply plus the follow-up once passed the
+  shared fixture's 512 tokens."""
+  from conftest import spawn_server
+  yield from spawn_server("--max_seq_len=2048", "--host_threads=2")
+
+
 def _wait(predicate, timeout=120.0):
   deadline = time.time() + timeout
   while time.time() < deadline:
@@ -57,11 +66,11 @@ def _last_reply(driver):
       "return last ? [last.dataset.state, last.textContent, last.className] : null;")
 
 
-def test_page_streams_a_reply_and_keeps_the_conversation(browser, server):
+def test_page_streams_a_reply_and_keeps_the_conversation(browser, page_server):
   from selenium.webdriver.common.by import By
-  browser.get(server["base"] + "/")
-  _wait(lambda: browser.find_element(By.ID, "status").text == server["model"])
-  # Short enough that the follow-up turn, history included, fits the server's 512-token context.
+  browser.get(page_server["base"] + "/")
+  _wait(lambda: browser.find_element(By.ID, "status").text == page_server["model"])
+  # Short enough that the follow-up turn, history included, fits the 2048-token context.
   _send(browser, "Tell me a story about a lighthouse keeper in three sentences.")
   lengths = set()
 
@@ -84,10 +93,10 @@ def test_page_streams_a_reply_and_keeps_the_conversation(browser, server):
   assert browser.execute_script("return messages[2].content") == "What was his name?"
 
 
-def test_stop_button_stops_the_reply(browser, server):
+def test_stop_button_stops_the_reply(browser, page_server):
   from selenium.webdriver.common.by import By
-  browser.get(server["base"] + "/")
-  _wait(lambda: browser.find_element(By.ID, "status").text == server["model"])
+  browser.get(page_server["base"] + "/")
+  _wait(lambda: browser.find_element(By.ID, "status").text == page_server["model"])
   _send(browser, "Write a very long essay about the history of bridges.")
   _wait(lambda: (_last_reply(browser) or [None, ""])[1])  # Streaming has begun.
   browser.find_element(By.ID, "stop").click()

@@ -49,7 +49,8 @@ def test_quantize_x_matches_reference(dim):
   rq, rdx, rsum = qdot.quantize_x_reference(x)
   np.testing.assert_array_equal(xq, rq)
   np.testing.assert_allclose(dx, rdx, rtol=1e-6)
-  np.testing.assert_allclose(xsum, rsum, rtol=1e-5, atol=1e-5 * np.abs(x).max())
+  np.testing.assert_allclose(xsum, rsum, rtol=1e-6, atol=1e-6 * np.abs(x).max())
+  np.testing.assert_allclose(xsum, (xq.reshape(5, -1, 32).sum(-1) * dx), rtol=1e-6)
   assert np.abs(xq.astype(np.int32)).max() == 127  # Each block's largest value maps to +-127.
   # Dequantized codes are within half a step of x.
   err = np.abs(xq.reshape(5, -1, 32) * dx[..., None] - x.reshape(5, -1, 32))

@@ -308,8 +308,9 @@ def test_host_weights_match_transformers(host_model, hf_model, hf_tokenizer):
 def test_int8_decode_close_to_f32(host_model):
   """The default int8 decode products (activations quantized per block, llama.cpp's arithmetic)
   against the f32 ones, teacher-forced one token per pass over 128 WikiText-2 tokens: mean KL
-  divergence and top-1 agreement (measured 0.018 and 91%; scripts/decode_quality.py over 512
-  tokens: KLD 0.0135, 93.2%, perplexity 28.74 vs 28.75)."""
+  divergence and top-1 agreement (scripts/decode_quality.py over 512 tokens: KLD 0.0027,
+  97.5%, perplexity 28.91 vs 28.75; with Q4_1's offset term on the exact x sums, a design a
+  tester caught, it was 0.0135 and 93.2%)."""
   dec = host_model.backend.decoder
   if not qdot.AVAILABLE:
     assert dec.dot == "f32"
@@ -329,7 +330,8 @@ def test_int8_decode_close_to_f32(host_model):
     dec.dot = "int8"
   kld = (np.exp(logp["f32"]) * (logp["f32"] - logp["int8"])).sum(-1)
   agree = (logp["f32"].argmax(-1) == logp["int8"].argmax(-1)).mean()
-  assert kld.mean() <= 0.03 and agree >= 0.85, (kld.mean(), agree)
+  print(f"int8 vs f32: mean KLD {kld.mean():.5f}, top-1 {agree:.3f}")
+  assert kld.mean() <= 0.01 and agree >= 0.9, (kld.mean(), agree)
   result = host_model.generate("The capital of France is", max_new_tokens=8, temperature=0.0)
   assert "Paris" in result.text
 
@@ -375,13 +377,16 @@ def test_cli_host_weights():
   proc = _cli("-m", "pijax.generate", "--config=configs/smollm2_135m.py",
               "--prompt=The capital of France is", "--max_new_tokens=6", "--temperature=0")
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert "Paris" in proc.stdout and "weights: q4_1+q8_0 host" in proc.stderr
+  assert "Paris" in proc.stdout and "weights: q4_1+q8_0 host int8" in proc.stderr
   proc = _cli("-m", "pijax.bench", "-m", "default", "-p", "8", "-n", "4", "-r", "1",
               "--host_weights=q8_0")
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert "| q8_0 host |" in proc.stdout
+  assert "| q8_0 host int8 |" in proc.stdout
   proc = _cli("-m", "pijax.bench", "-m", "default", "-n", "4", "--host_weights=q5")
   assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+  proc = _cli("-m", "pijax.bench", "-m", "default", "-n", "4", "--host_dot=f32",
+              "--host_weights=off")
+  assert proc.returncode == 2 and "drop --host_dot" in proc.stderr
   proc = _cli("-m", "pijax.bench", "-m", "default", "-n", "4", "--host_dot=int4")
   assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
   assert "host_dot" in proc.stderr and "Traceback" not in proc.stderr

@@ -90,8 +90,18 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
   def shape_of(tensor) -> tuple[int, ...]:
     return tuple(int(s) for s in reversed(tensor.shape))
 
+  def finite(name: str, *arrays: np.ndarray) -> None:
+    # NaN/inf in a block format can only sit in its f16 scales (the codes are integers), so
+    # checking the scales catches it for 1/32 of the bytes, at load, with the tensor's name.
+    for a in arrays:
+      if a.dtype.kind == "f" and not np.isfinite(a).all():
+        raise GGUFError(f"{path}: tensor {name!r} holds NaN or inf values; the file is "
+                        "corrupt (re-download or re-convert it).")
+
   def f32(role: str, layer: int | None = None) -> np.ndarray:
-    return loader.dequantize(raw(role, layer), path)
+    out = loader.dequantize(raw(role, layer), path)
+    finite(raw(role, layer).name, out)
+    return out
 
   def matrix(ts: list[Any]) -> qmatmul.QMatrix:
     """The [out, in] matrices stacked by rows, kept in their blocks when allowed."""
@@ -99,8 +109,14 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
     keep = kinds.pop() if len(kinds) == 1 else None
     if keep is not None and (weights == WEIGHTS_GGUF or keep == qmatmul.Q8_0):
       mats = [qmatmul.from_gguf_blocks(keep, t.data, shape_of(t)) for t in ts]
+      for t, m in zip(ts, mats):
+        finite(t.name, *m.arrays[1:])
     else:
-      mats = [qmatmul.quantize_q8_0(loader.dequantize(t, path)) for t in ts]
+      mats = []
+      for t in ts:
+        rows = loader.dequantize(t, path)
+        finite(t.name, rows)
+        mats.append(qmatmul.quantize_q8_0(rows))
     return mats[0] if len(mats) == 1 else qmatmul.stack_rows(mats)
 
   layers = []
@@ -163,7 +179,8 @@ class HostBackend(base.Backend):
   def label(self) -> str:
     dec = self.decoder
     kinds = {w.kind for layer in dec.layers for w in layer.matrices()} | {dec.lm_head.kind}
-    return "+".join(sorted(kinds)) + " host"
+    # The dot mode is part of the label (bench rows, stats line): int8 and f32 runs differ.
+    return "+".join(sorted(kinds)) + f" host {dec.dot}"
 
   @property
   def mode(self) -> str:
@@ -337,7 +354,7 @@ def calibration_chunks(model, path: str | None, n_chunks: int = 8, length: int =
 
 def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
               gate_sparsity: float = 0.5, calibration_file: str | None = None,
-              dot: str = qmatmul.DOT_INT8) -> base.Backend:
+              dot: str | None = None) -> base.Backend:
   """The backend for a dense run of `model` (`pijax.engine.Model`) with `--host_weights`.
 
   Args:
@@ -348,7 +365,8 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
       text).
     gate_sparsity: SwiGLU target fraction of FFN neurons skipped, in [0, 1).
     dot: "int8" (decode matmuls quantize activations per block of 32 and sum integer products,
-      llama.cpp's arithmetic) or "f32" (exact f32 activations; slower).
+      llama.cpp's arithmetic; the default) or "f32" (exact f32 activations; slower). Passes
+      of more than 8 tokens (prefill) use f32 activations either way.
 
   Returns:
     A HostBackend, or the dense XlaBackend when the choice is "off".
@@ -360,10 +378,14 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
   from pijax.backends import xla
   if not (0.0 <= gate_sparsity < 1.0):
     raise ConfigError(f"--gate_sparsity={gate_sparsity} must be in [0, 1).")
-  if dot not in qmatmul.DOTS:
+  if dot is not None and dot not in qmatmul.DOTS:
     raise ConfigError(f"--host_dot={dot!r} must be one of {', '.join(qmatmul.DOTS)}.")
   weights = choose_weights(weights, path=model.path, dtype=model.dtype,
                            is_bundle=model.sparse is not None)
+  if dot is not None and weights == WEIGHTS_OFF:
+    raise ConfigError(f"--host_dot={dot} sets how host weights multiply, but this run keeps "
+                      "the weights in XLA (--host_weights=off, a non-float32 dtype or a "
+                      "GGUF with other types); drop --host_dot or use --host_weights=gguf.")
   if gate_sparse and weights == WEIGHTS_OFF:
     raise ConfigError("--gate_sparse runs on quantized host weights: add --host_weights=gguf "
                       "(or q8_0); it needs a plain GGUF.")
@@ -373,4 +395,5 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
   if gate_sparse and model.config.ffn_family == "swiglu" and gate_sparsity > 0:
     chunks = calibration_chunks(model, calibration_file)
   return build(model.config, model.path, weights, gate_cuts=gate_sparse or None,
-               calibration_chunks=chunks, gate_sparsity=gate_sparsity, dot=dot)
+               calibration_chunks=chunks, gate_sparsity=gate_sparsity,
+               dot=qmatmul.DOT_INT8 if dot is None else dot)

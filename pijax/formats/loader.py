@@ -83,6 +83,14 @@ def dequantize(tensor: Any, path: str, dtype: np.dtype = np.dtype(np.float32),
   return out.reshape(shape)
 
 
+def _check_finite(arr: np.ndarray, name: str, path: str) -> None:
+  """GGUFError when a dequantized tensor holds NaN or inf (a corrupt file: without this the
+  model silently produces NaN logits)."""
+  if not np.isfinite(arr).all():
+    raise GGUFError(f"{path}: tensor {name!r} holds NaN or inf values; the file is corrupt "
+                    "(re-download or re-convert it).")
+
+
 def read_gguf(path: str | os.PathLike[str], *, ffn_activation: str | None = None
               ) -> tuple[ModelConfig, dict[str, Any]]:
   """(config, metadata) of a GGUF, checking that every tensor the model needs is present with
@@ -157,6 +165,7 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str = "float32",
     arr = dequantize(tensors[name], path, dtype)
     if arr.shape != shape:
       raise GGUFError(f"{path}: tensor {name!r} has shape {arr.shape}, expected {shape}.")
+    _check_finite(arr, name, path)
     return arr
 
   def matrix_on_device(name: str, shape: tuple[int, int]) -> jax.Array:
@@ -171,7 +180,9 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str = "float32",
     block = 4096
     for start in range(0, shape[0], block):
       stop = min(start + block, shape[0])
-      out = _set_rows(out, dequantize(tensor, path, np_dtype, rows=(start, stop)), start)
+      rows = dequantize(tensor, path, np_dtype, rows=(start, stop))
+      _check_finite(rows, name, path)
+      out = _set_rows(out, rows, start)
     return out
 
   # GGUF stores matrices as [out, in]; our kernels are [in, out] (split into heads).
