@@ -107,6 +107,15 @@ def check(cfg: Any = None) -> None:
     value = flag.value if name is None else pick(flag, name)
     if value is not None and not valid(value):
       raise ConfigError(f"--{flag.name}={value} must be {what}.")
+  # Combinations known to be refused, refused before a model loads (a server would otherwise
+  # load and compile first).
+  dot = pick(HOST_DOT, "host_dot")
+  if dot is not None and (pick(SPARSE, "sparse") or "off") != "off":
+    raise ConfigError("--host_dot is for dense runs on host weights of a GGUF; sparse modes and "
+                      "bundles use f32 rows (drop --host_dot).")
+  if dot is not None and pick(HOST_WEIGHTS, "host_weights") == "off":
+    raise ConfigError(f"--host_dot={dot} sets how host weights multiply, but --host_weights=off "
+                      "keeps the weights in XLA; drop --host_dot or use --host_weights=gguf.")
 
 
 def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> None:

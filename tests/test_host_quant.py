@@ -441,3 +441,15 @@ def test_interleaved_generations_and_reconfigure(tmp_path):
   model.configure_host_weights("off")
   with pytest.raises(ContextError, match="reconfigured"):
     list(third)
+
+
+@pytest.mark.parametrize("prog,args", [
+    ("pijax.serve", ["--model=default", "--host_dot=int8", "--sparse=oracle"]),
+    ("pijax.generate", ["--config=configs/smollm2_135m.py", "--host_dot=f32",
+                        "--host_weights=off", "--prompt=hi"])])
+def test_host_dot_combinations_refused_before_loading(prog, args):
+  """Refused by the model-free flag check: one line, exit 2, and the server never starts
+  loading (it printed 'listening' and loaded the model first, found by a tester)."""
+  proc = _cli("-m", prog, *args)
+  assert proc.returncode == 2 and "--host_dot" in proc.stderr
+  assert len(proc.stderr.strip().splitlines()) == 1 and "listening" not in proc.stderr
