@@ -6,12 +6,17 @@ the dot). These host kernels read the GGUF's own blocks, so a Q4_1 file runs at 
 weight with exactly the values the f32 dense path dequantizes (activations stay f32; only the
 summation order differs).
 
-Formats (rows of a matrix stored [out, in], D = in, a multiple of 32):
+Formats (rows of a matrix stored [out, in], D = in, a multiple of `block_size(kind)`):
   Q4_1 (kind "q4_1"): qs: u8[n, D/2], d: f32[n, D/32], m: f32[n, D/32]. Value k of block b is
     d[b] * q + m[b] with q = qs[16 b + k] & 15 for k < 16 and qs[16 b + k - 16] >> 4 for k >= 16
     (GGUF's nibble order; its f16 d and m are widened to f32 exactly).
   Q8_0 (kind "q8_0"): q: i8[n, D], d: f32[n, D/32]; value = d[j // 32] * q[j]. The same layout as
     `host_ops.quant`'s Q8 rows, so `quant.quantize_q8` makes one from f32.
+  Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16 (kinds "q4_0" ... "bf16", `RAW_KINDS`): raw:
+    u8[n, row bytes], the file's own blocks (a view of the GGUF's memory map when made by
+    `from_gguf_blocks`: no copy, f16 scales decoded inside the kernels). Formats and kernels:
+    `host_ops.qblocks`. D is a multiple of 256 for the K-quants, of 32 for Q4_0/Q5_0/Q5_1, any
+    for F16/BF16.
 
 Products: `QMatrix.matmul(x)` = x @ W.T for x: f32[b, D]. For b <= GEMV_MAX_ROWS a flat numba
 loop reads every block once and dots it with each row of x (parallel over output rows); for
@@ -20,7 +25,9 @@ with every row of x, so the 4-bit decode is paid once per row, not once per toke
 
 The flat loop is the fastest float shape measured (a loop nest over blocks was slower,
 BUILD_NOTES.md). With dot="int8" the gemv quantizes x per block and uses the SIMD integer
-kernels of `host_ops.qdot` instead.
+kernels of `host_ops.qdot` instead. The raw kinds take the same paths through `host_ops.qblocks`:
+`row_dot` (f32 gemv), `row_dot_int8` (int8 gemv, the block kinds of qblocks.INT8_KINDS; F16 and
+BF16 always run f32) and `row_dequant` (gemm tiles, `dequantize`, `rows_f32`).
 
 Layout per STYLE.md: numba kernels -> QMatrix (validates, dispatches) -> NumPy references.
 """
@@ -31,13 +38,27 @@ import numba
 import numpy as np
 
 from host_ops import _common
+from host_ops import qblocks
 from host_ops import qdot
 from host_ops._common import HostOpError
 
-BLOCK = 32  # Values per block in both formats.
+BLOCK = 32  # Values per block of Q4_1 and Q8_0.
 Q4_1 = "q4_1"
 Q8_0 = "q8_0"
-KINDS = (Q4_1, Q8_0)
+Q4_0 = "q4_0"
+Q5_0 = "q5_0"
+Q5_1 = "q5_1"
+Q4_K = "q4_k"
+Q5_K = "q5_k"
+Q6_K = "q6_k"
+F16 = "f16"
+BF16 = "bf16"
+# Kinds kept as the file's raw bytes (u8[n, row bytes]) and run by `host_ops.qblocks`.
+RAW_KINDS = (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16)
+KINDS = (Q4_1, Q8_0) + RAW_KINDS
+# GGML type names (gguf.GGMLQuantizationType.name) -> kind.
+GGML_KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q8_0": Q8_0,
+              "Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K, "F16": F16, "BF16": BF16}
 # Rows of x up to which the flat gemv loop is used; above it each weight row is dequantized
 # once into an f32 buffer (tiles of 16 rows, dotted with 4 rows of x per pass) and dotted with
 # every row of x: the two break even at about 8 rows, and the second gains with the batch.
@@ -46,13 +67,27 @@ GEMV_MAX_ROWS = 8
 # How a product of at most GEMV_MAX_ROWS rows treats x: "f32" keeps it (the f32 dense path's
 # values up to summation order); "int8" quantizes it per block of 32 and sums integer products
 # (`host_ops.qdot`, llama.cpp's arithmetic, ~2-4x faster). "int8" runs as "f32" where
-# qdot.AVAILABLE is False.
+# qdot.AVAILABLE is False, and for F16/BF16 matrices.
 DOT_F32 = "f32"
 DOT_INT8 = "int8"
 DOTS = (DOT_INT8, DOT_F32)
 
-# GGUF block sizes in bytes: Q4_1 = f16 d, f16 m, 16 bytes of nibbles; Q8_0 = f16 d, 32 int8.
-_GGUF_BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
+# (values, bytes) per GGUF block: Q4_1 = f16 d, f16 m, 16 bytes of nibbles; Q8_0 = f16 d, 32
+# int8; the raw kinds' in `qblocks.GEOMETRY` (F16/BF16: one value, 2 bytes).
+_GEOMETRY = {Q4_1: (BLOCK, 20), Q8_0: (BLOCK, 34), **qblocks.GEOMETRY}
+# Byte offsets of the f16 scales in one block (raw kinds; F16/BF16: every value), for
+# `QMatrix.all_finite`: NaN/inf can only sit there (codes and 6-/8-bit sub-scales are integers).
+_F16_FIELDS = {Q4_0: (0,), Q5_0: (0,), Q5_1: (0, 2), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,),
+               F16: (0,), BF16: (0,)}
+
+
+def block_size(kind: str) -> int:
+  """Values per block of a kind (32; 256 for the K-quants; 1 for F16/BF16): D must be a
+  multiple of it. Accepts GGML type names too."""
+  kind = GGML_KINDS.get(kind, kind)
+  if kind not in _GEOMETRY:
+    raise HostOpError(f"unknown host weight format {kind!r}; use one of {', '.join(KINDS)}")
+  return _GEOMETRY[kind][0]
 
 
 @numba.njit(inline="always", **_common._JIT)
@@ -234,12 +269,99 @@ def _dequant_q8_0_kernel(q, d, lo, hi, out):
       row[j] = d[i, j >> 5] * np.float32(q[i, j])
 
 
+# Bytes of each thread's next row the raw-kind gemv prefetches, per kind: (f32, int8). Measured
+# (2 threads, [11008, 4096] copies cycled from DRAM, G weights/s with the first 1 KB / the whole
+# row / nothing prefetched): int8 Q4_0 32/28/15, Q4_K 40/27/19, Q5_K 29/25/15, Q6_K 14/19/23;
+# f32 Q4_0 25/21/15, Q5_0 17/16/12, Q4_K 25/22/26, Q5_K 20/18/22, Q6_K 15/16/18, F16 11/11/13.
+# A run-time byte count, not a flag: `if flag:` around the prefetch cost int8 Q4_K 30 -> 22.
+_PREFETCH_BYTES = {Q4_0: (1024, 1024), Q5_0: (1024, 1024), Q5_1: (1024, 1024),
+                   Q4_K: (0, 1024), Q5_K: (0, 1024), Q6_K: (0, 0), F16: (0, 0), BF16: (0, 0)}
+
+
+@numba.njit(inline="always", **_common._JIT)
+def _prefetch_bytes(row, nbytes):
+  """Prefetches the first nbytes (0: none) of a contiguous u8 row."""
+  for e in range(0, min(row.shape[0], nbytes), 64):
+    _common._prefetch(row, e)
+
+
+@numba.njit(parallel=True, **_common._JIT)
+def _gemv_raw_kernel(code, raw, x, out, prefetch):
+  """out[r, i] = W[i] . x[r] for a raw-kind matrix (`qblocks` kind code). raw: u8[n, row bytes];
+  x: f32[b, D]; out: f32[b, n]; prefetch: bytes of its next row each thread prefetches."""
+  xsum = qblocks.block_sums(x)
+  n = raw.shape[0]
+  for i in numba.prange(n):
+    if i + 1 < n:
+      _prefetch_bytes(raw[i + 1], prefetch)
+    for r in range(x.shape[0]):
+      out[r, i] = qblocks.row_dot(code, raw[i], x[r], xsum[r])
+
+
+@numba.njit(parallel=True, **_common._JIT)
+def _gemv_raw_int8_kernel(code, raw, x, out, prefetch):
+  """`_gemv_raw_kernel` with x quantized per block of 32 (`qdot.quantize_x`) and integer block
+  dots (`qblocks.row_dot_int8`; kinds of qblocks.INT8_KINDS, x86 AVX2)."""
+  xq, dx, xsum = qdot.quantize_x(x)
+  n = raw.shape[0]
+  for i in numba.prange(n):
+    if i + 1 < n:
+      _prefetch_bytes(raw[i + 1], prefetch)
+    for r in range(x.shape[0]):
+      out[r, i] = qblocks.row_dot_int8(code, raw[i], xq[r], dx[r], xsum[r])
+
+
+@numba.njit(parallel=True, **_common._JIT)
+def _gemm_raw_kernel(code, raw, x, out):
+  """`_gemm_q4_1_kernel` for a raw-kind matrix: tiles of 16 rows dequantized once, dotted with
+  every row of x. raw: u8[n, row bytes]; x: f32[b, D]; out: f32[b, n]."""
+  n = raw.shape[0]
+  for tile in numba.prange((n + _TILE - 1) // _TILE):
+    lo = tile * _TILE
+    rows = min(_TILE, n - lo)
+    w = np.empty((_TILE, x.shape[1]), np.float32)
+    for k in range(rows):
+      qblocks.row_dequant(code, raw[lo + k], w[k])
+    _tile_dots(w, rows, x, out, lo)
+
+
+@numba.njit(parallel=True, **_common._JIT)
+def _dequant_raw_kernel(code, raw, lo, hi, out):
+  """out[i - lo] = W[i] as f32, rows [lo, hi). out: f32[>= hi - lo, D], C-contiguous."""
+  for i in numba.prange(lo, hi):
+    qblocks.row_dequant(code, raw[i], out[i - lo])
+
+
+@numba.njit(parallel=True, **_common._JIT)
+def _rows_raw_kernel(code, raw, ids, out):
+  """out[k] = W[ids[k]] as f32. ids: i64[k] (in range); out: f32[k, D]."""
+  for k in numba.prange(ids.shape[0]):
+    qblocks.row_dequant(code, raw[ids[k]], out[k])
+
+
+@numba.njit(parallel=True, **_common._JIT)
+def _raw_finite_kernel(raw, block_bytes, fields, exp_mask):
+  """False if any 16-bit float at byte offsets `fields` of any block of `raw` (u8[n, row
+  bytes]) has all exponent bits set (inf or NaN; exp_mask 0x7C00 for f16, 0x7F80 for bf16)."""
+  n = raw.shape[0]
+  bad = np.zeros(n, np.bool_)
+  for i in numba.prange(n):
+    row = raw[i]
+    for o in range(0, row.shape[0], block_bytes):
+      for k in range(fields.shape[0]):
+        h = np.int64(row[o + fields[k]]) | (np.int64(row[o + fields[k] + 1]) << 8)
+        if h & exp_mask == exp_mask:
+          bad[i] = True
+  return not bad.any()
+
+
 class QMatrix:
   """A [n, D] weight matrix on the host in a llama.cpp block format (see the module docstring).
 
   Attributes:
-    kind: "q4_1" | "q8_0".
-    arrays: (qs, d, m) for q4_1, (q, d) for q8_0; C-contiguous.
+    kind: one of KINDS ("q4_1", "q8_0", or a raw kind: "q4_0" ... "bf16").
+    arrays: (qs, d, m) for q4_1, (q, d) for q8_0, (raw,) for the raw kinds; C-contiguous (a
+      contiguous input is kept as is: no copy).
     shape: (n, D): output rows, input columns.
   """
 
@@ -247,6 +369,9 @@ class QMatrix:
     if kind not in KINDS:
       raise HostOpError(f"unknown host weight format {kind!r}; use one of {', '.join(KINDS)}")
     arrays = tuple(np.ascontiguousarray(a) for a in arrays)
+    if kind in RAW_KINDS:
+      self._init_raw(kind, arrays)
+      return
     if len(arrays) != (3 if kind == Q4_1 else 2) or arrays[0].ndim != 2:
       raise HostOpError(f"{kind} matrix needs {'(qs, d, m)' if kind == Q4_1 else '(q, d)'} "
                         f"2-D arrays, got {len(arrays)} arrays")
@@ -267,19 +392,45 @@ class QMatrix:
     if self.shape[1] == 0 or self.shape[1] % BLOCK:
       raise HostOpError(f"{kind} matrix needs D a positive multiple of {BLOCK}, got {self.shape}")
 
+  def _init_raw(self, kind: str, arrays: tuple[np.ndarray, ...]) -> None:
+    values, nbytes = _GEOMETRY[kind]
+    if len(arrays) != 1 or arrays[0].dtype != np.uint8 or arrays[0].ndim != 2:
+      raise HostOpError(f"{kind} matrix needs (raw,) with raw u8[n, row bytes], got "
+                        f"{[f'{a.dtype}{list(a.shape)}' for a in arrays]}")
+    n, row_bytes = arrays[0].shape
+    if row_bytes == 0 or row_bytes % nbytes:
+      raise HostOpError(f"{kind} matrix rows of {row_bytes} bytes: need a positive multiple of "
+                        f"the {nbytes}-byte block ({values} values)")
+    self.kind = kind
+    self.arrays = arrays
+    self.shape = (n, row_bytes // nbytes * values)
+
   @property
   def nbytes(self) -> int:
-    """Bytes held (codes and f32 scales)."""
+    """Bytes held (codes and scales: f32 for q4_1/q8_0, the file's f16 for the raw kinds)."""
     return sum(a.nbytes for a in self.arrays)
 
   @property
   def bits_per_weight(self) -> float:
-    """Bits per weight as stored in GGUF (f16 scales): 5.0 for Q4_1, 8.5 for Q8_0."""
-    return 8.0 * _GGUF_BLOCK_BYTES[self.kind] / BLOCK
+    """Bits per weight as stored in GGUF (f16 scales): 5.0 for Q4_1, 8.5 for Q8_0, 4.5 for
+    Q4_0 and Q4_K, 6.5625 for Q6_K, 16 for F16 ..."""
+    values, nbytes = _GEOMETRY[self.kind]
+    return 8.0 * nbytes / values
 
   def file_bytes(self) -> int:
     """Bytes of this matrix in GGUF's block format (what a decode step reads, f16 scales)."""
-    return self.shape[0] * (self.shape[1] // BLOCK) * _GGUF_BLOCK_BYTES[self.kind]
+    values, nbytes = _GEOMETRY[self.kind]
+    return self.shape[0] * (self.shape[1] // values) * nbytes
+
+  def all_finite(self) -> bool:
+    """Whether no scale (no value, for F16/BF16) is NaN or inf: a corrupt file's only way to
+    hold them. Reads the scales in place (numba; no f32 copy)."""
+    if self.kind not in RAW_KINDS:
+      return all(np.isfinite(a).all() for a in self.arrays if a.dtype.kind == "f")
+    _common.ensure_host_threads()
+    fields = np.asarray(_F16_FIELDS[self.kind], np.int64)
+    return bool(_raw_finite_kernel(self.arrays[0], _GEOMETRY[self.kind][1], fields,
+                                   0x7F80 if self.kind == BF16 else 0x7C00))
 
   def take_rows(self, rows) -> QMatrix:
     """A new matrix of the given rows (copies)."""
@@ -291,6 +442,11 @@ class QMatrix:
     ids = np.asarray(ids, np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
       raise HostOpError(f"row id out of range [0, {self.shape[0]}): {ids.min()}..{ids.max()}")
+    if self.kind in RAW_KINDS:
+      out = np.empty((ids.size, self.shape[1]), np.float32)
+      _common.ensure_host_threads()
+      _rows_raw_kernel(qblocks.KIND_CODES[self.kind], self.arrays[0], ids, out)
+      return out
     return np.stack([self.dequantize(int(i), int(i) + 1)[0] for i in ids]) if ids.size else \
         np.zeros((0, self.shape[1]), np.float32)
 
@@ -301,7 +457,15 @@ class QMatrix:
     if out is None:
       out = np.empty((hi - lo, self.shape[1]), np.float32)
     _common.ensure_host_threads()
-    if self.kind == Q4_1:
+    if self.kind in RAW_KINDS:
+      if not 0 <= lo <= hi <= self.shape[0]:
+        raise HostOpError(f"rows [{lo}, {hi}) out of range [0, {self.shape[0]}]")
+      if (out.dtype != np.float32 or out.ndim != 2 or out.shape[0] < hi - lo
+          or out.shape[1] != self.shape[1] or not out.flags.c_contiguous):
+        raise HostOpError(f"out must be a C-contiguous f32[>= {hi - lo}, {self.shape[1]}], got "
+                          f"{out.dtype}{list(out.shape)}")
+      _dequant_raw_kernel(qblocks.KIND_CODES[self.kind], self.arrays[0], lo, hi, out)
+    elif self.kind == Q4_1:
       _dequant_q4_1_kernel(*self.arrays, lo, hi, out)
     else:
       _dequant_q8_0_kernel(*self.arrays, lo, hi, out)
@@ -310,7 +474,8 @@ class QMatrix:
   def matmul(self, x, out: np.ndarray | None = None, dot: str = DOT_F32) -> np.ndarray:
     """x @ W.T: x f32[b, D] -> f32[b, n] (f32[D] -> f32[n]).
 
-    dot: "f32" or "int8" (x quantized per block for b <= GEMV_MAX_ROWS; see DOT_INT8).
+    dot: "f32" or "int8" (x quantized per block for b <= GEMV_MAX_ROWS; see DOT_INT8; F16 and
+      BF16 always run "f32").
     Deterministic for a given b (each output is one row's dot in a fixed order).
 
     Raises:
@@ -324,6 +489,15 @@ class QMatrix:
       out = np.empty((b, self.shape[0]), np.float32)
     _common.ensure_host_threads()
     int8 = dot == DOT_INT8 and qdot.AVAILABLE
+    if self.kind in RAW_KINDS:
+      code = qblocks.KIND_CODES[self.kind]
+      if b > GEMV_MAX_ROWS:
+        _gemm_raw_kernel(code, self.arrays[0], x2, out)
+      elif int8 and self.kind in qblocks.INT8_KINDS:
+        _gemv_raw_int8_kernel(code, self.arrays[0], x2, out, _PREFETCH_BYTES[self.kind][1])
+      else:
+        _gemv_raw_kernel(code, self.arrays[0], x2, out, _PREFETCH_BYTES[self.kind][0])
+      return out[0] if squeeze else out
     if self.kind == Q4_1:
       kernel = _gemm_q4_1_kernel if b > GEMV_MAX_ROWS else (
           qdot.gemv_q4_1 if int8 else _gemv_q4_1_kernel)
@@ -341,22 +515,35 @@ def from_gguf_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> QMa
   """A QMatrix from a GGUF tensor's raw block bytes (no re-quantization: exactly the file's values).
 
   Args:
-    kind: "q4_1" or "q8_0" (the tensor's GGML type).
-    data: u8[n, D / 32 * block_bytes] (gguf.GGUFReader's `tensor.data` for a quantized matrix).
+    kind: a kind of KINDS or a GGML type name of GGML_KINDS ("Q4_K", "F16", ...).
+    data: gguf.GGUFReader's `tensor.data`: u8[n, D / values * block bytes] for a quantized
+      matrix (BF16 included), f16[n, D] for F16; any dtype of the right byte count is read as
+      its bytes. For the raw kinds the QMatrix keeps a view of it (no copy: a memory map stays
+      a memory map); q4_1/q8_0 are split into codes and f32 scales (copies).
     shape: (n, D) in NumPy order ([out, in]).
 
   Raises:
-    HostOpError: a size that does not match the format.
+    HostOpError: an unknown kind, a size that does not match the format, D not a multiple of
+      the block (256 for the K-quants, 32 for Q4_0/Q5_0/Q5_1/Q4_1/Q8_0).
   """
+  kind = GGML_KINDS.get(kind, kind)
   n, dim = shape
-  if kind not in _GGUF_BLOCK_BYTES:
-    raise HostOpError(f"no GGUF block reader for {kind!r}; kept formats: {', '.join(KINDS)}")
-  nb = dim // BLOCK
-  raw = np.asarray(data, np.uint8)
-  if dim % BLOCK or raw.size != n * nb * _GGUF_BLOCK_BYTES[kind]:
+  if kind not in _GEOMETRY:
+    raise HostOpError(f"no GGUF block reader for {kind!r}; kept formats: {', '.join(KINDS)} "
+                      f"(GGML types {', '.join(GGML_KINDS)})")
+  values, nbytes = _GEOMETRY[kind]
+  if dim <= 0 or dim % values:
+    raise HostOpError(f"{kind} tensor of shape {shape}: D = {dim} must be a positive multiple of "
+                      f"{values} (the values of one block)")
+  nb = dim // values
+  data = np.ascontiguousarray(data)  # A GGUF tensor's memory map is contiguous: no copy.
+  raw = data.reshape(-1).view(np.uint8)  # Views of its bytes.
+  if raw.size != n * nb * nbytes:
     raise HostOpError(f"{kind} tensor of shape {shape} has {raw.size} bytes, expected "
-                      f"{n * nb * _GGUF_BLOCK_BYTES[kind]}")
-  blocks = raw.reshape(n, nb, _GGUF_BLOCK_BYTES[kind])
+                      f"{n * nb * nbytes}")
+  if kind in RAW_KINDS:
+    return QMatrix(kind, (raw.reshape(n, nb * nbytes),))
+  blocks = raw.reshape(n, nb, nbytes)
   d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16).reshape(n, nb).astype(np.float32)
   if kind == Q4_1:
     m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16).reshape(n, nb).astype(np.float32)
@@ -383,9 +570,78 @@ def quantize_q8_0(rows) -> QMatrix:
   return QMatrix(Q8_0, (q8.q, q8.scales))
 
 
+def _f16_reference(b: np.ndarray) -> np.ndarray:
+  """u8[..., 2] little-endian f16 bytes -> f64[...] (sign, exponent, mantissa by definition)."""
+  bits = b[..., 0].astype(np.int64) | (b[..., 1].astype(np.int64) << 8)
+  sign = np.where(bits >> 15, -1.0, 1.0)
+  exp = (bits >> 10) & 31
+  man = (bits & 1023).astype(np.float64)
+  with np.errstate(invalid="ignore"):
+    val = np.where(exp == 0, man * 2.0 ** -24, (1024.0 + man) * np.exp2(exp - 25.0))
+    val = np.where(exp == 31, np.where(man == 0, np.inf, np.nan), val)
+  return sign * val
+
+
+def _nibbles_reference(qs: np.ndarray) -> np.ndarray:
+  """u8[..., m] -> i64[..., 2m]: the low nibbles, then the high nibbles."""
+  q = qs.astype(np.int64)
+  return np.concatenate([q & 15, q >> 4], axis=-1)
+
+
+def _k_scale_min_reference(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """u8[N, 12] Q4_K/Q5_K scale bytes -> (scales, mins): i64[N, 8] each (6 bits)."""
+  s = s.astype(np.int64)
+  sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+  mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+  return sc, mn
+
+
+def _raw_reference(kind: str, raw: np.ndarray, n: int, dim: int) -> np.ndarray:
+  """f64[n, D] of a raw-kind matrix from the format definitions (`qblocks` module docstring)."""
+  values, nbytes = _GEOMETRY[kind]
+  if kind in (F16, BF16):
+    pairs = raw.reshape(n, dim, 2)
+    if kind == F16:
+      return _f16_reference(pairs)
+    bits = (pairs[..., 0].astype(np.uint32) | (pairs[..., 1].astype(np.uint32) << 8)) << 16
+    return bits.view(np.float32).astype(np.float64)
+  blk = raw.reshape(-1, nbytes)  # [N blocks, bytes]
+  count = blk.shape[0]
+  if kind in (Q4_0, Q5_0, Q5_1):
+    d = _f16_reference(blk[:, 0:2])[:, None]
+    if kind == Q4_0:
+      vals = d * (_nibbles_reference(blk[:, 2:18]) - 8)
+    else:
+      at = 4 if kind == Q5_1 else 2
+      qh = sum(blk[:, at + k].astype(np.int64) << (8 * k) for k in range(4))
+      q = _nibbles_reference(blk[:, at + 4:at + 20]) | (((qh[:, None] >> np.arange(32)) & 1) << 4)
+      vals = d * (q - 16) if kind == Q5_0 else d * q + _f16_reference(blk[:, 2:4])[:, None]
+  elif kind in (Q4_K, Q5_K):
+    d = _f16_reference(blk[:, 0:2])[:, None, None]
+    dmin = _f16_reference(blk[:, 2:4])[:, None, None]
+    sc, mn = _k_scale_min_reference(blk[:, 4:16])
+    qs = blk[:, 48:176] if kind == Q5_K else blk[:, 16:144]
+    q = _nibbles_reference(qs.reshape(count, 4, 32)).reshape(count, 8, 32)  # sub-block 2c, 2c+1
+    if kind == Q5_K:
+      qh = blk[:, 16:48].astype(np.int64)[:, None, :]  # bit j of qh[l]: value l of sub-block j
+      q = q | (((qh >> np.arange(8)[None, :, None]) & 1) << 4)
+    vals = d * sc[..., None] * q - dmin * mn[..., None]
+  else:  # Q6_K
+    ql = blk[:, 0:128].astype(np.int64).reshape(count, 2, 2, 32)  # [N, half, 32-byte run, l]
+    qh = blk[:, 128:192].astype(np.int64).reshape(count, 2, 1, 32)
+    low = np.concatenate([ql & 15, ql >> 4], axis=2)  # [N, half, t, l]: t = 0..3
+    q = low | (((qh >> (2 * np.arange(4))[None, None, :, None]) & 3) << 4)
+    scales = blk[:, 192:208].view(np.int8).astype(np.float64).reshape(count, 2, 4, 2, 1)
+    d = _f16_reference(blk[:, 208:210])[:, None, None, None, None]
+    vals = d * scales * (q - 32).reshape(count, 2, 4, 2, 16)
+  return vals.reshape(n, dim)
+
+
 def dequantize_reference(w: QMatrix) -> np.ndarray:
   """NumPy reference dequantizer: f64[n, D] from the format's definition (module docstring)."""
   n, dim = w.shape
+  if w.kind in RAW_KINDS:
+    return _raw_reference(w.kind, w.arrays[0], n, dim)
   nb = dim // BLOCK
   if w.kind == Q4_1:
     qs, d, m = w.arrays
@@ -401,3 +657,20 @@ def dequantize_reference(w: QMatrix) -> np.ndarray:
 def matmul_reference(w: QMatrix, x) -> np.ndarray:
   """NumPy reference of `QMatrix.matmul` (float64 inside, f32 result)."""
   return (np.asarray(x, np.float64) @ dequantize_reference(w).T).astype(np.float32)
+
+
+def matmul_int8_reference(w: QMatrix, x) -> np.ndarray:
+  """Float64 NumPy reference of `matmul(x, dot="int8")` for b <= GEMV_MAX_ROWS: f32[b, n].
+
+  x is replaced by x_hat = dx * xq (`qdot.quantize_x_reference`); every kind with an integer dot
+  computes W . x_hat (offset terms against the quantized block sums are the same sums).
+  """
+  if w.kind in (Q4_1, Q8_0):
+    return qdot.matmul_reference(w.kind, w.arrays, x)
+  x = np.asarray(x, np.float32)
+  if w.kind not in qblocks.INT8_KINDS:
+    return matmul_reference(w, x)
+  xq, dx, _ = qdot.quantize_x_reference(x)
+  b, dim = x.shape
+  xhat = (xq.reshape(b, dim // BLOCK, BLOCK).astype(np.float64) * dx[..., None]).reshape(b, dim)
+  return (xhat @ dequantize_reference(w).T).astype(np.float32)
