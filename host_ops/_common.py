@@ -29,8 +29,10 @@ from numba.extending import intrinsic
 
 # Family codes passed to the numba kernels (strings cannot select a branch cheaply inside them).
 # The names are the FFN family names the model code uses (plain strings: host_ops stands alone).
-FAMILY_CODES = {"swiglu": 0, "reglu": 1, "drelu": 2}
+FAMILY_CODES = {"swiglu": 0, "reglu": 1, "drelu": 2, "geglu": 3}
 FAMILIES = tuple(FAMILY_CODES)
+
+_GELU_C = math.sqrt(2.0 / math.pi)  # gelu_tanh(g) = g/2 (1 + tanh(c (g + 0.044715 g^3))).
 
 # silu(g) = g / (1 + exp(-g)). Below this g, exp(-g) would overflow f32 under fastmath (which
 # assumes no infinities); silu(g) there is g * exp(g) to f32 precision (|silu(-80)| ~ 1e-33).
@@ -127,8 +129,9 @@ def prefetch_head(row):
 def activation(g, u, code):
   """act(g, u) for one neuron: g, u are f32 dot products; returns an f32 scalar.
 
-  code 0 swiglu silu(g)*u, 1 reglu relu(g)*u, 2 drelu relu(g)*relu(u). ReLU families return an
-  exact 0 for inactive neurons, which the kernels use to skip the down row.
+  code 0 swiglu silu(g)*u, 1 reglu relu(g)*u, 2 drelu relu(g)*relu(u), 3 geglu gelu_tanh(g)*u
+  (Hendrycks & Gimpel 2016, tanh form). ReLU families return an exact 0 for inactive neurons,
+  which the kernels use to skip the down row.
   """
   if code == 0:
     gd = np.float64(g)
@@ -141,6 +144,10 @@ def activation(g, u, code):
     if g > 0:
       return np.float32(g * u)
     return np.float32(0.0)
+  if code == 3:
+    gd = np.float64(g)
+    s = 0.5 * gd * (1.0 + math.tanh(_GELU_C * (gd + 0.044715 * gd * gd * gd)))
+    return np.float32(s * np.float64(u))
   if g > 0 and u > 0:
     return np.float32(g * u)
   return np.float32(0.0)
@@ -155,6 +162,8 @@ def activation_reference(g: np.ndarray, u: np.ndarray, family: str) -> np.ndarra
     return np.maximum(g, 0) * u
   if family == "drelu":
     return np.maximum(g, 0) * np.maximum(u, 0)
+  if family == "geglu":
+    return 0.5 * g * (1.0 + np.tanh(_GELU_C * (g + 0.044715 * g ** 3))) * u
   family_code(family)  # Raises the HostOpError.
   raise AssertionError("unreachable")
 

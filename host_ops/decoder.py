@@ -39,7 +39,10 @@ class HostLayer:
   """One decoder layer's host weights.
 
   attn_norm, ffn_norm: f32[D]; qkv: [(N + 2K) H, D] (q | k | v rows); attn_out: [D, N H];
-  gate, up: [F, D]; down: [D, F] (QMatrix, rows = outputs, as GGUF stores them).
+  gate, up: [F, D]; down: [D, F] (QMatrix, or a `qconcat.RowConcat` of several formats; rows =
+  outputs, as GGUF stores them). Family extras, None when absent: qkv_bias f32[(N + 2K) H]
+  (Qwen2); q_norm, k_norm f32[H] (QK-norm: Qwen3, Gemma 3); post_attn_norm, post_ffn_norm
+  f32[D] (Gemma's sandwich norms on each sub-block's output).
   """
 
   attn_norm: np.ndarray
@@ -49,6 +52,11 @@ class HostLayer:
   gate: qmatmul.QMatrix
   up: qmatmul.QMatrix
   down: qmatmul.QMatrix
+  qkv_bias: np.ndarray | None = None
+  q_norm: np.ndarray | None = None
+  k_norm: np.ndarray | None = None
+  post_attn_norm: np.ndarray | None = None
+  post_ffn_norm: np.ndarray | None = None
 
   def matrices(self) -> tuple[qmatmul.QMatrix, ...]:
     return (self.qkv, self.attn_out, self.gate, self.up, self.down)
@@ -129,13 +137,31 @@ def _rope_head(src, dst, cos_t, sin_t, adjacent):
     dst[c] = x0 * sin_t[j] + x1 * cos_t[j]
 
 
+@numba.njit(inline="always", **_common._JIT)
+def _head_norm(src, dst, scale, eps):
+  """dst = RMSNorm(src) * scale over one head (f32[H]); a no-op copy when scale is empty."""
+  if scale.shape[0] == 0:
+    for j in range(src.shape[0]):
+      dst[j] = src[j]
+    return
+  ss = 0.0
+  for j in range(src.shape[0]):
+    ss += np.float64(src[j]) * np.float64(src[j])
+  inv = np.float32(1.0 / np.sqrt(ss / src.shape[0] + eps))
+  for j in range(src.shape[0]):
+    dst[j] = src[j] * inv * scale[j]
+
+
 @numba.njit(parallel=True, **_common._JIT)
-def _attention_kernel(qkv, cache_k, cache_v, pos, cos, sin, adjacent, n_heads, n_kv, scale):
+def _attention_kernel(qkv, cache_k, cache_v, pos, cos, sin, adjacent, n_heads, n_kv, scale,
+                      window, q_norm, k_norm, eps):
   """Causal grouped-query attention for t new tokens, writing their keys/values to the cache.
 
   qkv: f32[b, t, N + 2K, H] (q heads, then k, then v, before RoPE); cache_k, cache_v:
-  f32[b, S, K, H] (positions < pos already filled); cos, sin: f32[t, R/2].
-  Returns f32[b t, N H]: softmax(q k^T * scale) v per head over positions [0, pos + i].
+  f32[b, S, K, H] (positions < pos already filled); cos, sin: f32[t, R/2]; window: > 0 attends
+  only positions > p - window (sliding-window layer); q_norm, k_norm: f32[H] RMSNorm scales
+  applied to each head before RoPE (QK-norm), or empty arrays for none.
+  Returns f32[b t, N H]: softmax(q k^T * scale) v per head over the attended positions.
   """
   b, t, _, hd = qkv.shape
   group = n_heads // n_kv
@@ -143,7 +169,9 @@ def _attention_kernel(qkv, cache_k, cache_v, pos, cos, sin, adjacent, n_heads, n
     r = job // (t * n_kv)
     i = (job // n_kv) % t
     kv = job % n_kv
-    _rope_head(qkv[r, i, n_heads + kv], cache_k[r, pos + i, kv], cos[i], sin[i], adjacent)
+    kn = np.empty(hd, np.float32)
+    _head_norm(qkv[r, i, n_heads + kv], kn, k_norm, eps)
+    _rope_head(kn, cache_k[r, pos + i, kv], cos[i], sin[i], adjacent)
     for j in range(hd):
       cache_v[r, pos + i, kv, j] = qkv[r, i, n_heads + n_kv + kv, j]
   out = np.empty((b * t, n_heads * hd), np.float32)
@@ -152,34 +180,36 @@ def _attention_kernel(qkv, cache_k, cache_v, pos, cos, sin, adjacent, n_heads, n
     i = (job // n_heads) % t
     head = job % n_heads
     kv = head // group
+    qn = np.empty(hd, np.float32)
+    _head_norm(qkv[r, i, head], qn, q_norm, eps)
     q = np.empty(hd, np.float32)
-    _rope_head(qkv[r, i, head], q, cos[i], sin[i], adjacent)
+    _rope_head(qn, q, cos[i], sin[i], adjacent)
     last = pos + i  # inclusive: causal
-    scores = np.empty(last + 1, np.float32)
+    first = max(0, last - window + 1) if window > 0 else 0
+    scores = np.empty(last + 1 - first, np.float32)
     top = np.float32(-np.inf)
-    for s in range(last + 1):
+    for s in range(first, last + 1):
       acc = np.float32(0.0)
       krow = cache_k[r, s, kv]
       for j in range(hd):
         acc += q[j] * krow[j]
       acc *= scale
-      scores[s] = acc
+      scores[s - first] = acc
       top = max(top, acc)
     total = np.float32(0.0)
-    for s in range(last + 1):
+    for s in range(scores.shape[0]):
       e = np.exp(scores[s] - top)
       scores[s] = e
       total += e
     o = out[r * t + i, head * hd:(head + 1) * hd]
     for j in range(hd):
       o[j] = 0.0
-    for s in range(last + 1):
-      w = scores[s] / total
+    for s in range(first, last + 1):
+      w = scores[s - first] / total
       vrow = cache_v[r, s, kv]
       for j in range(hd):
         o[j] += w * vrow[j]
   return out
-
 
 
 def _layer_matmul(w, i, x, out, int8):
@@ -226,16 +256,20 @@ def _layer_matmul_overload(w, i, x, out, int8):
 
 
 @numba.njit(**_common._JIT)
-def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, down_w, cache_k,
-                   cache_v, pos, cos, sin, adjacent, n_heads, n_kv, head_dim, eps, code, int8):
+def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, down_w, extras,
+                   cache_k, cache_v, pos, cos, sin, rope_of, windows, adjacent, n_heads, n_kv,
+                   head_dim, scale, eps, code, int8):
   """Every layer of the decoder in one compiled call (the same kernels, in the same order, as
   `HostDecoder.forward`'s per-layer loop, so the same result bit for bit, without ~8 Python
   calls per layer). x: f32[b t, D] embeddings -> f32[b t, D] after the last layer.
-  Weights: stacked per role ([L, ...] arrays, `_layer_matmul`); norms f32[L, D]; cache_k,
-  cache_v: f32[L, b, S, K, H]. (numba's disk cache keys this function on decoder.py only: after
-  editing a kernel it calls in another file, clear host_ops/__pycache__/*.nb[ic].)"""
+  Weights: stacked per role ([L, ...] arrays, `_layer_matmul`); norms f32[L, D]; extras:
+  (qkv_bias f32[L, E], q_norm, k_norm f32[L, H], post_attn_norm, post_ffn_norm f32[L, D]), each
+  [L, 0] when the family has none; cache_k, cache_v: f32[L, b, S, K, H]; cos, sin: f32[n, t, R/2]
+  RoPE tables, layer i using table rope_of[i]; windows: i64[L] (0: global attention).
+  (numba's disk cache keys this function on decoder.py only: after editing a kernel it calls
+  in another file, clear host_ops/__pycache__/*.nb[ic].)"""
   rows = x.shape[0]
-  scale = np.float32(head_dim ** -0.5)
+  qkv_bias, q_norms, k_norms, post_attn, post_ffn = extras
   qkv = np.empty((rows, (n_heads + 2 * n_kv) * head_dim), np.float32)
   attn_proj = np.empty_like(x)
   ffn = np.empty_like(x)
@@ -244,15 +278,25 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
   u = np.empty((rows, f), np.float32)
   for i in range(attn_norms.shape[0]):
     _layer_matmul(qkv_w, i, _rms_norm_kernel(x, attn_norms[i], eps), qkv, int8)
+    if qkv_bias.shape[1]:
+      for r in range(rows):
+        qkv[r] += qkv_bias[i]
     attn = _attention_kernel(qkv.reshape(b, t, n_heads + 2 * n_kv, head_dim), cache_k[i],
-                             cache_v[i], pos, cos, sin, adjacent, n_heads, n_kv, scale)
+                             cache_v[i], pos, cos[rope_of[i]], sin[rope_of[i]], adjacent, n_heads,
+                             n_kv, scale, windows[i], q_norms[i], k_norms[i], eps)
     _layer_matmul(out_w, i, attn, attn_proj, int8)
-    x = x + attn_proj
+    if post_attn.shape[1]:
+      x = x + _rms_norm_kernel(attn_proj, post_attn[i], eps)
+    else:
+      x = x + attn_proj
     h = _rms_norm_kernel(x, ffn_norms[i], eps)
     _layer_matmul(gate_w, i, h, g, int8)
     _layer_matmul(up_w, i, h, u, int8)
     _layer_matmul(down_w, i, _activation_kernel(g, u, code), ffn, int8)
-    x = x + ffn
+    if post_ffn.shape[1]:
+      x = x + _rms_norm_kernel(ffn, post_ffn[i], eps)
+    else:
+      x = x + ffn
   return x
 
 
@@ -264,7 +308,13 @@ class HostDecoder:
     layers: HostLayer per layer.
     final_norm: f32[D].
     lm_head: [V, D] QMatrix (the embedding itself when the model ties them).
-    eps: RMSNorm epsilon; family: FFN family ("swiglu" | "reglu" | "drelu").
+    eps: RMSNorm epsilon; family: FFN family ("swiglu" | "reglu" | "drelu" | "geglu").
+    rope_freq_factors: R/2 divisors of RoPE's inverse frequencies (LLaMA-3.1), or ().
+    layer_rope: per layer (theta, position scale, factors), overriding the three above (Gemma 3's
+      local layers have their own base); None = every layer the same.
+    windows: per layer, the sliding window in tokens (0 = global); None = all global.
+    attn_scale: the factor on q . k (None = head_dim ** -0.5).
+    embedding_scale: the token embeddings are multiplied by it (Gemma: sqrt(hidden_size)).
     dot: "int8" (decode products quantize activations per block and sum integers, as
       llama.cpp; `host_ops.qdot`) or "f32" (the f32 dense path's values up to summation order).
       `self.dot` holds what runs: "f32" where qdot.AVAILABLE is False.
@@ -277,6 +327,8 @@ class HostDecoder:
                final_norm: np.ndarray, lm_head: qmatmul.QMatrix, *, eps: float, family: str,
                n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: float, rope_dim: int,
                rope_scale: float = 1.0, rope_adjacent: bool = True,
+               rope_freq_factors: tuple[float, ...] = (), layer_rope=None, windows=None,
+               attn_scale: float | None = None, embedding_scale: float = 1.0,
                dot: str = qmatmul.DOT_INT8):
     if dot not in qmatmul.DOTS:
       raise HostOpError(f"dot must be one of {', '.join(qmatmul.DOTS)}, got {dot!r}")
@@ -288,6 +340,21 @@ class HostDecoder:
     self.n_heads, self.n_kv_heads, self.head_dim = int(n_heads), int(n_kv_heads), int(head_dim)
     self.rope_theta, self.rope_dim = float(rope_theta), int(rope_dim)
     self.rope_scale, self.rope_adjacent = float(rope_scale), bool(rope_adjacent)
+    n_layers = len(layers)
+    default_rope = (self.rope_theta, self.rope_scale, tuple(float(f) for f in rope_freq_factors))
+    self.layer_rope = [tuple(r) for r in layer_rope] if layer_rope is not None else \
+        [default_rope] * n_layers
+    self.windows = np.asarray(windows if windows is not None else [0] * n_layers, np.int64)
+    if len(self.layer_rope) != n_layers or self.windows.shape != (n_layers,) or \
+        (self.windows < 0).any() or any(len(r[2]) not in (0, rope_dim // 2)
+                                         for r in self.layer_rope):
+      raise HostOpError(f"layer_rope / windows need one entry per layer ({n_layers}), windows "
+                        f">= 0, factors of length {rope_dim // 2}")
+    # Distinct RoPE tables and which one each layer uses.
+    self._ropes = sorted(set(self.layer_rope))
+    self._rope_of = np.asarray([self._ropes.index(r) for r in self.layer_rope], np.int64)
+    self.attn_scale = float(attn_scale) if attn_scale else float(head_dim) ** -0.5
+    self.embedding_scale = float(embedding_scale)
     self.gate_cuts = None  # Per-layer cuts when the gate-first sparse FFN is on (enable_gated).
     self._down_t = None  # Per-layer neuron-major Q8_0 down rows for it.
     self._record = None  # Calibration: per-layer lists of |act_gate(g)| (calibrate_gate_cuts).
@@ -315,6 +382,18 @@ class HostDecoder:
         setattr(layer, name, np.ascontiguousarray(getattr(layer, name), np.float32))
         if getattr(layer, name).shape != (d,):
           raise HostOpError(f"layer {i}: {name} must be f32[{d}]")
+      extras = {"qkv_bias": ((n_heads + 2 * n_kv_heads) * head_dim,), "q_norm": (head_dim,),
+                "k_norm": (head_dim,), "post_attn_norm": (d,), "post_ffn_norm": (d,)}
+      for name, shape in extras.items():
+        if getattr(layer, name) is not None:
+          setattr(layer, name, np.ascontiguousarray(getattr(layer, name), np.float32))
+          if getattr(layer, name).shape != shape:
+            raise HostOpError(f"layer {i}: {name} must be f32{list(shape)}")
+        if (getattr(layer, name) is None) != (getattr(self.layers[0], name) is None):
+          raise HostOpError(f"layer {i}: {name} must be given for every layer or none")
+    if (self.layers[0].q_norm is None) != (self.layers[0].k_norm is None) or \
+        (self.layers[0].post_attn_norm is None) != (self.layers[0].post_ffn_norm is None):
+      raise HostOpError("q_norm and k_norm (and post_attn_norm and post_ffn_norm) come together")
     if lm_head.shape[1] != d or self.final_norm.shape != (d,):
       raise HostOpError(f"lm_head {lm_head.shape} / final_norm {self.final_norm.shape} do not "
                         f"match hidden size {d}")
@@ -322,14 +401,21 @@ class HostDecoder:
 
   _ROLES = ("qkv", "attn_out", "gate", "up", "down")
 
+  _EXTRAS = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+
+  def _extras_of(self, layer: HostLayer) -> tuple[np.ndarray, ...]:
+    """The layer's family extras for the kernels: f32 arrays, empty where absent."""
+    return tuple(np.zeros(0, np.float32) if getattr(layer, n) is None else getattr(layer, n)
+                 for n in self._EXTRAS)
+
   def _stack_layers(self):
     """The layers' weights stacked per role for `_layers_kernel`: (attn_norms, ffn_norms: f32[L, D],
-    then per role a tuple of [L, ...] arrays); each layer's QMatrix then views its slice, so
-    nothing is held twice. None (the per-layer loop runs) when a role's format or shape differs
-    between layers."""
+    then per role a tuple of [L, ...] arrays, then the extras f32[L, *]); each layer's QMatrix
+    then views its slice, so nothing is held twice. None (the per-layer loop runs) when a
+    role's format or shape differs between layers, or is not one the kernel reads (Q4_1, Q8_0)."""
     for role in self._ROLES:
-      if len({(getattr(layer, role).kind, getattr(layer, role).shape)
-              for layer in self.layers}) != 1:
+      kinds = {(getattr(layer, role).kind, getattr(layer, role).shape) for layer in self.layers}
+      if len(kinds) != 1 or next(iter(kinds))[0] not in (qmatmul.Q4_1, qmatmul.Q8_0):
         return None
     stacked = [np.stack([layer.attn_norm for layer in self.layers]),
                np.stack([layer.ffn_norm for layer in self.layers])]
@@ -342,6 +428,8 @@ class HostDecoder:
       stacked.append(arrays)
     for i, layer in enumerate(self.layers):
       layer.attn_norm, layer.ffn_norm = stacked[0][i], stacked[1][i]
+    stacked.append(tuple(np.stack(parts) for parts in
+                         zip(*(self._extras_of(layer) for layer in self.layers))))
     return tuple(stacked)
 
   @property
@@ -390,6 +478,8 @@ class HostDecoder:
       self.gate_cuts = None
       self.last_active[:] = 1.0
       return
+    if self.family == "geglu":
+      raise HostOpError("the gate-first sparse FFN supports swiglu, reglu and drelu, not geglu")
     cuts = [float(c) for c in cuts]
     if len(cuts) != self.n_layers or not all(c >= 0 and np.isfinite(c) for c in cuts):
       raise HostOpError(f"enable_gated needs {self.n_layers} finite cuts >= 0, got {cuts}")
@@ -432,13 +522,20 @@ class HostDecoder:
     return _rms_norm_kernel(x, scale, self.eps)
 
   def _rope_tables(self, pos: int, t: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin: f32[t, R/2] for positions pos + [0, t) (RoFormer §3.4; as pijax.nn.transformer)."""
+    """cos, sin: f32[n, t, R/2] for positions pos + [0, t), one table per distinct layer RoPE
+    (RoFormer §3.4; as pijax.nn.transformer.rope_angles)."""
     half = self.rope_dim // 2
-    inv_freq = np.float32(self.rope_theta) ** (
-        -np.arange(half, dtype=np.float32) * np.float32(2.0) / np.float32(self.rope_dim))
-    angles = (np.arange(pos, pos + t, dtype=np.float32)[:, None] / np.float32(self.rope_scale)
-              * inv_freq.astype(np.float32))
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    cos, sin = [], []
+    for theta, scale, factors in self._ropes:
+      inv_freq = np.float32(theta) ** (
+          -np.arange(half, dtype=np.float32) * np.float32(2.0) / np.float32(self.rope_dim))
+      if factors:
+        inv_freq = inv_freq / np.asarray(factors, np.float32)
+      angles = (np.arange(pos, pos + t, dtype=np.float32)[:, None] / np.float32(scale)
+                * inv_freq.astype(np.float32))
+      cos.append(np.cos(angles).astype(np.float32))
+      sin.append(np.sin(angles).astype(np.float32))
+    return np.stack(cos), np.stack(sin)
 
   def forward(self, cache: HostKVCache, tokens, pos: int, rows=None) -> np.ndarray:
     """Runs tokens through the decoder, reading and writing `cache`.
@@ -468,33 +565,42 @@ class HostDecoder:
     n, k, hd = self.n_heads, self.n_kv_heads, self.head_dim
     cos, sin = self._rope_tables(pos, t)
     x = self.embedding.rows_f32(tokens.reshape(-1))  # [b t, D]
+    if self.embedding_scale != 1.0:
+      x *= np.float32(self.embedding_scale)
     if self._stacked is not None and self.gate_cuts is None and self._record is None:
       _common.ensure_host_threads()
       x = _layers_kernel(x, b, t, *self._stacked, cache.k, cache.v, pos, cos, sin,
-                         self.rope_adjacent, n, k, hd, self.eps, self.code,
+                         self._rope_of, self.windows, self.rope_adjacent, n, k, hd,
+                         np.float32(self.attn_scale), self.eps, self.code,
                          self.dot == qmatmul.DOT_INT8)
       layers = ()
     else:
       layers = self.layers
-    scale = np.float32(hd ** -0.5)
+    scale = np.float32(self.attn_scale)
     for i, layer in enumerate(layers):
       dot = self.dot
+      bias, q_norm, k_norm, post_attn, post_ffn = self._extras_of(layer)
       qkv = layer.qkv.matmul(self._norm(x, layer.attn_norm), dot=dot)  # [b t, (N + 2K) H]
+      if bias.size:
+        qkv += bias
+      rope = self._rope_of[i]
       attn = _attention_kernel(qkv.reshape(b, t, n + 2 * k, hd), cache.k[i], cache.v[i], pos,
-                               cos, sin, self.rope_adjacent, n, k, scale)  # [b t, N H]
-      x = x + layer.attn_out.matmul(attn, dot=dot)
+                               cos[rope], sin[rope], self.rope_adjacent, n, k, scale,
+                               self.windows[i], q_norm, k_norm, self.eps)  # [b t, N H]
+      h = layer.attn_out.matmul(attn, dot=dot)
+      x = x + (self._norm(h, post_attn) if post_attn.size else h)
       h = self._norm(x, layer.ffn_norm)
       g = layer.gate.matmul(h, dot=dot)
       if self._record is not None:
         self._record[i].append(np.abs(_gate_activation(g, self.code)).ravel())
       if self.gate_cuts is None:
-        x = x + layer.down.matmul(_activation_kernel(g, layer.up.matmul(h, dot=dot), self.code),
-                                  dot=dot)
+        y = layer.down.matmul(_activation_kernel(g, layer.up.matmul(h, dot=dot), self.code),
+                              dot=dot)
       else:
         y, active = gated_lib.gated_ffn(g, h, layer.up, self._down_t[i], cut=self.gate_cuts[i],
                                         family=self.family, dot=dot)
-        x = x + y
         self.last_active[i] = active.mean() / g.shape[1]
+      x = x + (self._norm(y, post_ffn) if post_ffn.size else y)
     if rows is not None:
       x = x[np.asarray(rows, np.int64)]
     return self.lm_head.matmul(self._norm(x, self.final_norm), dot=self.dot)
@@ -519,11 +625,14 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
   tokens = np.asarray(tokens).reshape(-1)
   t = tokens.shape[0]
   half = dec.rope_dim // 2
-  inv_freq = dec.rope_theta ** (-np.arange(half) * 2.0 / dec.rope_dim)
-  ang = np.arange(t)[:, None] / dec.rope_scale * inv_freq  # [T, R/2]
-  cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
 
-  def rope(x):  # [T, heads, H]
+  def rope(x, layer):  # [T, heads, H]
+    theta, scale, factors = dec.layer_rope[layer]
+    inv_freq = theta ** (-np.arange(half) * 2.0 / dec.rope_dim)
+    if factors:
+      inv_freq = inv_freq / np.asarray(factors, np.float64)
+    ang = np.arange(t)[:, None] / scale * inv_freq  # [T, R/2]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     x = x.copy()
     if dec.rope_adjacent:
       a, c = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
@@ -534,34 +643,62 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
     return x
 
   def norm(x, scale):
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + dec.eps) * scale
+    if scale is None:
+      return x
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + dec.eps) * \
+        np.asarray(scale, np.float64)
 
   def mm(w, x):
     if dec.dot == qmatmul.DOT_INT8:
-      return qdot.matmul_reference(w.kind, w.arrays, x).astype(np.float64)
-    return x @ qmatmul.dequantize_reference(w).T
+      return _matmul_reference_int8(w, x)
+    return x @ _dequantize_reference(w).T
 
-  causal = np.tril(np.ones((t, t), bool))
-  seen = []  # Layers done (index into the per-layer gate cuts).
-  x = qmatmul.dequantize_reference(dec.embedding)[tokens]
-  for layer in dec.layers:
-    qkv = mm(layer.qkv, norm(x, layer.attn_norm.astype(np.float64))).reshape(t, n + 2 * k, hd)
-    q, key, val = rope(qkv[:, :n]), rope(qkv[:, n:n + k]), qkv[:, n + k:]
+  x = _dequantize_reference(dec.embedding)[tokens] * dec.embedding_scale
+  for li, layer in enumerate(dec.layers):
+    qkv = mm(layer.qkv, norm(x, layer.attn_norm))
+    if layer.qkv_bias is not None:
+      qkv = qkv + layer.qkv_bias
+    qkv = qkv.reshape(t, n + 2 * k, hd)
+    q, key, val = norm(qkv[:, :n], layer.q_norm), norm(qkv[:, n:n + k], layer.k_norm), \
+        qkv[:, n + k:]
+    q, key = rope(q, li), rope(key, li)
     key, val = np.repeat(key, n // k, axis=1), np.repeat(val, n // k, axis=1)  # [T, N, H]
-    scores = np.einsum("tnh,snh->nts", q, key) * hd ** -0.5
-    scores = np.where(causal, scores, -np.inf)
+    scores = np.einsum("tnh,snh->nts", q, key) * dec.attn_scale
+    qpos, kpos = np.arange(t)[:, None], np.arange(t)[None, :]
+    seen_mask = kpos <= qpos
+    if dec.windows[li] > 0:
+      seen_mask &= kpos > qpos - dec.windows[li]
+    scores = np.where(seen_mask, scores, -np.inf)
     p = np.exp(scores - scores.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     attn = np.einsum("nts,snh->tnh", p, val).reshape(t, n * hd)
-    x = x + mm(layer.attn_out, attn)
-    h = norm(x, layer.ffn_norm.astype(np.float64))
+    x = x + norm(mm(layer.attn_out, attn), layer.post_attn_norm)
+    h = norm(x, layer.ffn_norm)
     if dec.gate_cuts is None:
       a = _common.activation_reference(mm(layer.gate, h), mm(layer.up, h), dec.family)
-      x = x + mm(layer.down, a)
+      y = mm(layer.down, a)
     else:
-      i = len(seen)
-      x = x + gated_lib.gated_ffn_reference(mm(layer.gate, h), h, layer.up, dec._down_t[i],
-                                            cut=dec.gate_cuts[i], family=dec.family,
-                                            dot=dec.dot)[0]
-    seen.append(i if dec.gate_cuts is not None else 0)
-  return mm(dec.lm_head, norm(x, dec.final_norm.astype(np.float64))).astype(np.float32)
+      y = gated_lib.gated_ffn_reference(mm(layer.gate, h), h, layer.up, dec._down_t[li],
+                                        cut=dec.gate_cuts[li], family=dec.family,
+                                        dot=dec.dot)[0]
+    x = x + norm(y, layer.post_ffn_norm)
+  return mm(dec.lm_head, norm(x, dec.final_norm)).astype(np.float32)
+
+
+def _parts(w) -> list:
+  """The QMatrix parts of w stacked by rows (w itself unless a RowConcat)."""
+  return list(getattr(w, "parts", [w]))
+
+
+def _dequantize_reference(w) -> np.ndarray:
+  return np.concatenate([qmatmul.dequantize_reference(p) for p in _parts(w)])
+
+
+def _matmul_reference_int8(w, x) -> np.ndarray:
+  outs = []
+  for p in _parts(w):
+    if p.kind in (qmatmul.Q4_1, qmatmul.Q8_0):
+      outs.append(qdot.matmul_reference(p.kind, p.arrays, x).astype(np.float64))
+    else:  # Formats without an int8 kernel run the f32 one.
+      outs.append(x @ qmatmul.dequantize_reference(p).T)
+  return np.concatenate(outs, axis=-1)

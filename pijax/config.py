@@ -8,11 +8,13 @@ from __future__ import annotations
 FFN_SWIGLU = "swiglu"  # silu(gate x) * (up x): LLaMA, SmolLM2, Mistral.
 FFN_REGLU = "reglu"  # relu(gate x) * (up x): ReluLLaMA, ProSparse.
 FFN_DRELU = "drelu"  # relu(gate x) * relu(up x): Bamboo, TurboSparse.
+FFN_GEGLU = "geglu"  # gelu_tanh(gate x) * (up x): Gemma.
 FFN_RELU_MLP = "relu_mlp"  # relu(up x + b): OPT, ReluFalcon (activation definition only).
-FFN_FAMILIES = (FFN_SWIGLU, FFN_REGLU, FFN_DRELU)
+FFN_FAMILIES = (FFN_SWIGLU, FFN_REGLU, FFN_DRELU, FFN_GEGLU)
 
 # User-facing activation names (config `ffn_activation`, GGUF key `pijax.ffn_activation`).
-ACTIVATION_TO_FAMILY = {"silu": FFN_SWIGLU, "relu": FFN_REGLU, "drelu": FFN_DRELU}
+ACTIVATION_TO_FAMILY = {"silu": FFN_SWIGLU, "relu": FFN_REGLU, "drelu": FFN_DRELU,
+                        "gelu": FFN_GEGLU}
 
 # RoPE conventions. GGUF `llama` files rotate adjacent pairs (x0,x1),(x2,x3)... because
 # llama.cpp's converter permuted Q/K; NeoX-style files rotate (x_i, x_{i+d/2}).

@@ -65,7 +65,7 @@ def load_config(model: str):
   from pijax.arch.registry import config_from_metadata
   path = default_model_path() if model == "default" else model
   reader, metadata = open_gguf(path)
-  return config_from_metadata(metadata, path, {t.name for t in reader.tensors})
+  return config_from_metadata(metadata, path, {t.name: t for t in reader.tensors})
 
 
 def write_json_atomic(path: str, payload: dict) -> None:

@@ -80,7 +80,7 @@ def _precheck_model(path: str, dtype: str) -> None:
     return
   path = default_model_path() if path == "default" else path
   reader, metadata = open_gguf(path)
-  registry.config_from_metadata(metadata, path, {t.name for t in reader.tensors})
+  registry.config_from_metadata(metadata, path, {t.name: t for t in reader.tensors})
 
 
 def warm_up(model, stop: threading.Event | None = None) -> float:

@@ -2,11 +2,14 @@
 
   .venv/bin/python scripts/make_synthetic_gguf.py --out /tmp/synthetic-7b-drelu.q4_1.gguf \
       --activation drelu --type Q4_1
+  .venv/bin/python scripts/make_synthetic_gguf.py --out /tmp/synthetic-7b.q4_k_m.gguf \
+      --activation silu --type Q4_K_M
 
 Shapes (LLaMA-2-7B): hidden_size 4096, intermediate_size 11008, 32 layers, 32 heads (32 KV
 heads), head_dim 128, vocab 32000, rope_theta 10000. Every matrix is random blocks of `--type`
-(Q4_1 or Q8_0: the block formats the host path reads as they are) with scales chosen so weights
-have std ~0.02 and mean 0 (Q4_1: d = 0.0043, m = -7.5 d, codes uniform), norms are ones, and the
+(Q4_1, Q8_0, or the Q4_K_M mix: llama.cpp's choice per tensor, below) with scales chosen so
+weights have std ~0.02 and mean ~0 (Q4_1: d = 0.0043, m = -7.5 d, codes uniform), norms are ones,
+and the
 tokenizer is a placeholder BPE vocabulary ("a", "b", "ab", then "<t3>".."<t31999>"): prompts
 can only use "a" and "b" (other characters have no token), the text it generates means nothing;
 the bytes read per token are those of a 7B model. An existing --out file is replaced.
@@ -31,16 +34,60 @@ import numpy as np
 
 SHAPES = {"llama2-7b": dict(hidden=4096, ffn=11008, layers=32, heads=32, kv_heads=32,
                             vocab=32000),
-          "tiny": dict(hidden=128, ffn=352, layers=2, heads=4, kv_heads=2, vocab=512)}
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+          "tiny": dict(hidden=128, ffn=352, layers=2, heads=4, kv_heads=2, vocab=512),
+          # The smallest shape on which Q4_K_M's per-layer mix shows (256-value blocks, 8 layers).
+          "tiny-k": dict(hidden=256, ffn=512, layers=8, heads=4, kv_heads=2, vocab=512)}
+# Bytes per block and values per block of each GGML type written here.
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
+BLOCK_VALUES = {"Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q6_K": 256}
+TYPES = ("Q4_1", "Q8_0", "Q4_K_M")
+
+
+def tensor_type(qtype: str, name: str, layer: int | None, n_layers: int, cols: int) -> str:
+  """The GGML type of one [rows, cols] matrix. Q4_K_M follows llama.cpp's mix
+  (`llama_tensor_get_type`): Q4_K everywhere, Q6_K for output.weight and for attn_v / ffn_down in
+  the first and last eighth of the layers and every third layer between them; Q8_0 where cols is
+  not a multiple of 256 (the "tiny" shape)."""
+  if qtype != "Q4_K_M":
+    return qtype
+  if cols % 256:
+    return "Q8_0"
+  if name == "output.weight":
+    return "Q6_K"
+  if layer is not None and (name.endswith("attn_v.weight") or name.endswith("ffn_down.weight")):
+    eighth = n_layers // 8
+    if layer < eighth or layer >= n_layers - eighth or (layer - eighth) % 3 == 2:
+      return "Q6_K"
+  return "Q4_K"
+
+
+def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+  """u8[..., 12]: Q4_K's eight 6-bit sub-block scales and mins, packed as ggml packs them."""
+  out = np.zeros(sc.shape[:-1] + (12,), np.uint8)
+  out[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
+  out[..., 4:8] = (mn[..., 0:4] & 63) | ((mn[..., 4:8] >> 4) << 6)
+  out[..., 8:12] = (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)
+  return out
 _CHUNK_ROWS = 1024  # Rows generated at once (bounded memory for the 131k-row matrices).
 
 
 def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str,
                   std: float = 0.02) -> np.ndarray:
-  """u8[rows, cols / 32 * block_bytes]: GGUF blocks of random codes with weights of mean ~0 and
-  standard deviation ~std."""
-  nb = cols // 32
+  """u8[rows, cols / block_values * block_bytes]: GGUF blocks of `qtype` (Q4_1, Q8_0, Q4_K,
+  Q6_K) of random codes with weights of mean ~0 and standard deviation ~std."""
+  nb = cols // BLOCK_VALUES[qtype]
+  if qtype == "Q4_K":  # w = d sc q - dmin m per 32 values; q uniform 0..15 (mean 7.5, std 4.6).
+    sc = rng.integers(24, 41, (rows, nb, 8), dtype=np.uint8)
+    d = np.float16(std / (32 * 4.6))
+    dd = np.frombuffer(np.array([d, np.float16(7.5) * d], np.float16).tobytes(), np.uint8)
+    return np.concatenate([np.broadcast_to(dd, (rows, nb, 4)), _pack_k_scales(sc, sc),
+                           rng.integers(0, 256, (rows, nb, 128), dtype=np.uint8)],
+                          axis=2).reshape(rows, nb * 144)
+  if qtype == "Q6_K":  # w = d scale (q - 32) per 16 values; q uniform 0..63 (std 18.5).
+    scales = rng.integers(24, 41, (rows, nb, 16), dtype=np.int8).view(np.uint8)
+    d = np.frombuffer(np.float16(std / (32 * 18.5)).tobytes(), np.uint8)
+    return np.concatenate([rng.integers(0, 256, (rows, nb, 192), dtype=np.uint8), scales,
+                           np.broadcast_to(d, (rows, nb, 2))], axis=2).reshape(rows, nb * 210)
   if qtype == "Q4_1":
     d = np.float16(std / 4.6)  # Uniform codes 0..15 have std 4.6.
     head = np.frombuffer(np.array([d, np.float16(-7.5) * d], np.float16).tobytes(), np.uint8)
@@ -57,10 +104,10 @@ def write(path: str, *, shape: str = "llama2-7b", qtype: str = "Q4_1",
           activation: str = "drelu", seed: int = 0) -> int:
   """Writes the file; returns its size in bytes. Raises ValueError on a bad argument."""
   import gguf
-  if shape not in SHAPES or qtype not in BLOCK_BYTES or activation not in ("drelu", "silu",
+  if shape not in SHAPES or qtype not in TYPES or activation not in ("drelu", "silu",
                                                                             "relu"):
     raise ValueError(f"shape {shape!r} / type {qtype!r} / activation {activation!r}: use "
-                     f"{', '.join(SHAPES)} / {', '.join(BLOCK_BYTES)} / drelu, silu, relu")
+                     f"{', '.join(SHAPES)} / {', '.join(TYPES)} / drelu, silu, relu")
   if seed < 0:
     raise ValueError(f"seed must be >= 0, got {seed}")
   s = SHAPES[shape]
@@ -78,7 +125,6 @@ def _write_to(tmp, gguf, s, qtype, activation, seed, shape) -> None:
   """Writes the file (see `write`) to `tmp`."""
   hidden, ffn, heads, kv, vocab = s["hidden"], s["ffn"], s["heads"], s["kv_heads"], s["vocab"]
   hd = hidden // heads
-  gtype = getattr(gguf.GGMLQuantizationType, qtype)
   w = gguf.GGUFWriter(tmp, "llama")
   w.add_name(f"synthetic-{shape}-{activation}")
   w.add_block_count(s["layers"])
@@ -91,8 +137,8 @@ def _write_to(tmp, gguf, s, qtype, activation, seed, shape) -> None:
   w.add_layer_norm_rms_eps(1e-5)
   w.add_rope_dimension_count(hd)
   w.add_vocab_size(vocab)
-  w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1 if qtype == "Q4_1" else
-                  gguf.LlamaFileType.MOSTLY_Q8_0)
+  w.add_file_type({"Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                   "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M}[qtype])
   if activation != "silu":
     w.add_string("pijax.ffn_activation", activation)
   w.add_tokenizer_model("gpt2")
@@ -103,34 +149,38 @@ def _write_to(tmp, gguf, s, qtype, activation, seed, shape) -> None:
   w.add_bos_token_id(1)
   w.add_eos_token_id(2)
 
-  plan = [("token_embd.weight", (vocab, hidden))]
-  for i in range(s["layers"]):
+  n = s["layers"]
+  plan = [("token_embd.weight", (vocab, hidden), tensor_type(qtype, "token_embd.weight", None, n,
+                                                            hidden))]
+  for i in range(n):
     p = f"blk.{i}."
-    plan += [(p + "attn_norm.weight", (hidden,)), (p + "attn_q.weight", (heads * hd, hidden)),
-             (p + "attn_k.weight", (kv * hd, hidden)), (p + "attn_v.weight", (kv * hd, hidden)),
-             (p + "attn_output.weight", (hidden, heads * hd)), (p + "ffn_norm.weight", (hidden,)),
-             (p + "ffn_gate.weight", (ffn, hidden)), (p + "ffn_up.weight", (ffn, hidden)),
-             (p + "ffn_down.weight", (hidden, ffn))]
-  plan += [("output_norm.weight", (hidden,)), ("output.weight", (vocab, hidden))]
-  for name, shp in plan:
+    mats = [("attn_q.weight", (heads * hd, hidden)), ("attn_k.weight", (kv * hd, hidden)),
+            ("attn_v.weight", (kv * hd, hidden)), ("attn_output.weight", (hidden, heads * hd)),
+            ("ffn_gate.weight", (ffn, hidden)), ("ffn_up.weight", (ffn, hidden)),
+            ("ffn_down.weight", (hidden, ffn))]
+    plan += [(p + "attn_norm.weight", (hidden,), "F32"), (p + "ffn_norm.weight", (hidden,), "F32")]
+    plan += [(p + m, shp, tensor_type(qtype, p + m, i, n, shp[1])) for m, shp in mats]
+  plan += [("output_norm.weight", (hidden,), "F32"),
+           ("output.weight", (vocab, hidden), tensor_type(qtype, "output.weight", None, n, hidden))]
+  for name, shp, ttype in plan:
     if len(shp) == 1:
       w.add_tensor_info(name, shp, np.dtype(np.float32), 4 * shp[0])
     else:
       rows, cols = shp
-      nbytes = rows * cols // 32 * BLOCK_BYTES[qtype]
-      w.add_tensor_info(name, (rows, cols * BLOCK_BYTES[qtype] // 32), np.dtype(np.uint8),
-                        nbytes, raw_dtype=gtype)
+      row_bytes = cols // BLOCK_VALUES[ttype] * BLOCK_BYTES[ttype]
+      w.add_tensor_info(name, (rows, row_bytes), np.dtype(np.uint8), rows * row_bytes,
+                        raw_dtype=getattr(gguf.GGMLQuantizationType, ttype))
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_ti_data_to_file()
   rng = np.random.default_rng(seed)
-  for name, shp in plan:
+  for name, shp, ttype in plan:
     if len(shp) == 1:
       w.write_tensor_data(np.ones(shp, np.float32))
       continue
     rows, cols = shp
     # Chunks of rows, written as they are made (write_tensor_data pads after the last one).
-    parts = [random_blocks(rng, min(_CHUNK_ROWS, rows - lo), cols, qtype)
+    parts = [random_blocks(rng, min(_CHUNK_ROWS, rows - lo), cols, ttype)
              for lo in range(0, rows, _CHUNK_ROWS)]
     w.write_tensor_data(np.concatenate(parts))
   w.close()
@@ -145,7 +195,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, help="GGUF file to write (replaced if it exists)")
   parser.add_argument("--shape", default="llama2-7b", choices=sorted(SHAPES))
-  parser.add_argument("--type", default="Q4_1", choices=sorted(BLOCK_BYTES))
+  parser.add_argument("--type", default="Q4_1", choices=TYPES)
   parser.add_argument("--activation", default="drelu", choices=["drelu", "silu", "relu"])
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()

@@ -162,3 +162,36 @@ def test_bench_ops_with_nothing_to_run_is_an_error():
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2 and "nothing to run" in proc.stderr
   assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_synthetic_k_blocks_have_the_asked_statistics(qtype):
+  rng = np.random.default_rng(1)
+  blocks = synthetic.random_blocks(rng, 32, 512, qtype)
+  w = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, qtype)).reshape(32, 512)
+  assert abs(w.std() - 0.02) < 0.002 and abs(w.mean()) < 0.002
+  assert len(np.unique(w)) > 10
+
+
+def test_synthetic_q4_k_m_mix_runs_on_host_blocks(tmp_path):
+  """The Q4_K_M mix (llama.cpp's per-tensor rule) at the 8-layer tiny-k shape: Q6_K head and
+  attn_v / ffn_down on layers 0, 3, 6, 7, Q4_K elsewhere; the host path keeps every block (no
+  re-quantization) and gives the XLA path's logits on the same values (XLA dequantizes with
+  gguf.quants, the host reads the blocks with its own kernels)."""
+  import pijax
+  path = tmp_path / "k.gguf"
+  synthetic.write(str(path), shape="tiny-k", qtype="Q4_K_M", activation="silu")
+  types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+  assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
+  assert [i for i in range(8) if types[f"blk.{i}.ffn_down.weight"] == "Q6_K"] == [0, 3, 6, 7]
+  assert [i for i in range(8) if types[f"blk.{i}.attn_v.weight"] == "Q6_K"] == [0, 3, 6, 7]
+  assert all(types[f"blk.{i}.ffn_gate.weight"] == "Q4_K" for i in range(8))
+  model = pijax.load(path, max_seq_len=32)
+  ids = [1, 5, 9, 300, 42, 7]
+  ref = model.prompt_logits(ids)
+  assert model.configure_host_weights("auto", dot="f32") == "gguf"
+  dec = model.backend.decoder
+  assert {dec.lm_head.kind, dec.layers[0].down.kind, dec.layers[1].down.kind} == {"q6_k", "q4_k"}
+  assert dec.layers[0].qkv.kind == "mixed" and dec.layers[1].qkv.kind == "q4_k"
+  got = model.prompt_logits(ids)
+  np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

@@ -9,43 +9,90 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from pijax import config as config_lib
 from pijax.arch.spec import ModelConfig
 from pijax.errors import GGUFError
 
 # Weight roles of a decoder-only family. Per-layer roles take the layer index.
 LAYER_ROLES = ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")
+# Per-layer roles present only when the config's switches say so (`layer_shapes`).
+OPTIONAL_LAYER_ROLES = ("q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "post_attn_norm",
+                        "post_ffn_norm")
 GLOBAL_ROLES = ("embedding", "final_norm", "lm_head")
 
 # GGUF architecture name -> module under pijax.arch defining FAMILY.
-_FAMILY_MODULES = {"llama": "pijax.arch.llama"}
+_FAMILY_MODULES = {"llama": "pijax.arch.llama", "qwen2": "pijax.arch.qwen", "qwen3":
+                   "pijax.arch.qwen", "gemma3": "pijax.arch.gemma3", "phi3": "pijax.arch.phi3"}
 SUPPORTED_ARCHS = tuple(_FAMILY_MODULES)
+
+
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Every per-layer weight role `cfg` needs -> its NumPy shape ([out, in] for matrices)."""
+  d, n, k, h, f = (cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                   cfg.intermediate_size)
+  shapes = {"attn_norm": (d,), "q": (n * h, d), "k": (k * h, d), "v": (k * h, d),
+            "o": (d, n * h), "ffn_norm": (d,), "gate": (f, d), "up": (f, d), "down": (d, f)}
+  if cfg.qkv_bias:
+    shapes.update(q_bias=(n * h,), k_bias=(k * h,), v_bias=(k * h,))
+  if cfg.qk_norm:
+    shapes.update(q_norm=(h,), k_norm=(h,))
+  if cfg.norm_placement == config_lib.NORM_SANDWICH:
+    shapes.update(post_attn_norm=(d,), post_ffn_norm=(d,))
+  return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSlice:
+  """Where a role's weight lives: rows [lo, hi) of GGUF tensor `name` (lo = hi = None: the whole
+  tensor), which holds `rows` rows in all (fused tensors, e.g. Phi-3's attn_qkv)."""
+
+  name: str
+  lo: int | None = None
+  hi: int | None = None
+  rows: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
-  """GGUF tensor names by role: `names[role]` is a format string with `{i}` for the layer."""
+  """GGUF tensor names by role: `names[role]` is a format string with `{i}` for the layer.
+
+  `fused` maps a GGUF tensor name pattern to the roles stacked by rows inside it, in order
+  (Phi-3: attn_qkv holds q | k | v, ffn_up holds gate | up).
+  """
 
   names: Mapping[str, str]
+  fused: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
   def name(self, role: str, layer: int | None = None) -> str:
     """The GGUF name of `role` (of layer `layer` for per-layer roles); KeyError if unknown."""
     return self.names[role].format(i=layer)
 
+  def locate(self, role: str, layer: int | None, cfg: ModelConfig) -> TensorSlice:
+    """Where `role` of `layer` lives (its own tensor, or rows of a fused one)."""
+    for pattern, parts in self.fused.items():
+      if role in parts:
+        shapes = layer_shapes(cfg)
+        lo = sum(shapes[p][0] for p in parts[:parts.index(role)])
+        return TensorSlice(pattern.format(i=layer), lo, lo + shapes[role][0],
+                           sum(shapes[p][0] for p in parts))
+    return TensorSlice(self.name(role, layer))
+
   def __hash__(self) -> int:
-    return hash(tuple(sorted(self.names.items())))
+    return hash((tuple(sorted(self.names.items())), tuple(sorted(self.fused.items()))))
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-  """One model family: `config_from_metadata(reader, tensor_names, ffn_activation)` and its
-  tensor map."""
+  """One model family: `config_from_metadata(reader, tensors, ffn_activation)` (tensors: the
+  file's {name: gguf ReaderTensor}) and its tensor map."""
 
   name: str
-  config_from_metadata: Callable[["MetadataReader", set[str], str | None], ModelConfig]
+  config_from_metadata: Callable[["MetadataReader", Mapping[str, Any], str | None], ModelConfig]
   tensors: TensorMap
 
 
@@ -97,14 +144,15 @@ def get_family(arch: Any, path: str = "the model") -> Family:
   return importlib.import_module(module).FAMILY
 
 
-def config_from_metadata(metadata: Mapping[str, Any], path: str, tensor_names: set[str],
+def config_from_metadata(metadata: Mapping[str, Any], path: str, tensors: Mapping[str, Any],
                          ffn_activation: str | None = None) -> ModelConfig:
   """Builds the ModelConfig of a GGUF from its metadata through its family module.
 
   Args:
     metadata: GGUF key/values (see `pijax.formats.gguf.open_gguf`).
     path: the file, for error messages.
-    tensor_names: names of the tensors in the file (e.g. to detect a tied output head).
+    tensors: the file's tensors, {name: gguf ReaderTensor} (to detect a tied output head, and
+      to read small tensors that are hyper-parameters, e.g. `rope_freqs.weight`).
     ffn_activation: "silu" | "relu" | "drelu", used only when the file does not say.
 
   Raises:
@@ -112,5 +160,138 @@ def config_from_metadata(metadata: Mapping[str, Any], path: str, tensor_names: s
   """
   arch = metadata.get("general.architecture")
   family = get_family(arch, path)
-  return family.config_from_metadata(MetadataReader(metadata, arch, path), set(tensor_names),
+  return family.config_from_metadata(MetadataReader(metadata, arch, path), tensors,
                                      ffn_activation)
+
+
+def base_fields(meta: MetadataReader, tensors: Mapping[str, Any], ffn_activation: str | None,
+                *, default_activation: str = "silu") -> dict[str, Any]:
+  """The ModelConfig fields every family reads the same way (sizes, norms, RoPE base and
+  linear scaling, vocabulary, activation, tied head); families add or override the rest.
+
+  Raises:
+    GGUFError: missing or inconsistent values.
+  """
+  path, arch = meta.path, meta.arch
+  hidden = meta.positive_int("embedding_length")
+  n_heads = meta.positive_int("attention.head_count")
+  n_kv_heads = meta.positive_int("attention.head_count_kv", n_heads)
+  head_dim = meta.positive_int("attention.key_length", max(hidden // n_heads, 1))
+  if meta.has("attention.value_length") and \
+      meta.positive_int("attention.value_length") != head_dim:
+    raise GGUFError(f"{path}: key_length {head_dim} != value_length "
+                    f"{meta.get('attention.value_length')}; pijax needs them equal.")
+  if n_heads % n_kv_heads:
+    raise GGUFError(f"{path}: head_count {n_heads} is not a multiple of head_count_kv "
+                    f"{n_kv_heads}.")
+  n_tokens = len(meta.metadata.get("tokenizer.ggml.tokens", []))
+  vocab = meta.positive_int("vocab_size", n_tokens) if (meta.has("vocab_size") or n_tokens) \
+      else meta.positive_int("vocab_size")
+  if n_tokens and vocab != n_tokens:
+    raise GGUFError(f"{path}: {arch}.vocab_size={vocab} but the tokenizer has {n_tokens} "
+                    "tokens; the file is inconsistent, re-convert it.")
+  activation = meta.metadata.get(ACTIVATION_KEY) or ffn_activation or default_activation
+  if activation not in config_lib.ACTIVATION_TO_FAMILY:
+    raise GGUFError(f"{path}: FFN activation {activation!r} is not supported; use one of "
+                    f"{sorted(config_lib.ACTIVATION_TO_FAMILY)}.")
+  rope_dim = meta.positive_int("rope.dimension_count", head_dim)
+  if rope_dim > head_dim or rope_dim % 2:
+    raise GGUFError(f"{path}: rope.dimension_count={rope_dim} must be even and <= head_dim "
+                    f"{head_dim}.")
+  theta = meta.positive_float("rope.freq_base", 10000.0)
+  scaling_type = meta.get("rope.scaling.type", "none")
+  rope_scale, factors, attn_scale = 1.0, rope_freq_factors(meta, tensors, rope_dim), 0.0
+  if scaling_type == "linear":
+    rope_scale = meta.positive_float("rope.scaling.factor", 1.0)
+  elif scaling_type == "yarn":
+    if factors:
+      raise GGUFError(f"{path}: YaRN scaling and {ROPE_FREQS} together are not supported.")
+    factors, mscale = yarn_factors(meta, theta, rope_dim)
+    attn_scale = head_dim ** -0.5 * mscale * mscale  # cos and sin both carry mscale.
+  elif scaling_type not in ("none", None):
+    raise GGUFError(f"{path}: RoPE scaling {scaling_type!r} is not supported (linear, yarn, "
+                    "and llama3 through rope_freqs.weight, are).")
+  window = meta.get("attention.sliding_window", 0)
+  if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+    raise GGUFError(f"{path}: {arch}.attention.sliding_window={window!r} must be an integer "
+                    ">= 0; the file is corrupt.")
+  return dict(
+      arch=arch,
+      vocab_size=int(vocab),
+      hidden_size=hidden,
+      intermediate_size=meta.positive_int("feed_forward_length"),
+      n_layers=meta.positive_int("block_count"),
+      n_heads=n_heads,
+      n_kv_heads=n_kv_heads,
+      head_dim=head_dim,
+      rope_theta=theta,
+      rope_style=config_lib.ROPE_HALF,
+      rope_dim=rope_dim,
+      rms_norm_eps=meta.positive_float("attention.layer_norm_rms_epsilon", 1e-5),
+      context_length=meta.positive_int("context_length", 2048),
+      ffn_family=config_lib.ACTIVATION_TO_FAMILY[activation],
+      tied_output="output.weight" not in tensors,
+      rope_scale=rope_scale,
+      sliding_window=int(window),
+      rope_freq_factors=factors,
+      attn_scale=attn_scale,
+  )
+
+
+def yarn_factors(meta: MetadataReader, theta: float, rope_dim: int
+                 ) -> tuple[tuple[float, ...], float]:
+  """YaRN (Peng et al. 2023, arXiv 2309.00071 §3.2-3.4) as per-frequency divisors of RoPE's
+  inverse frequencies and the attention factor m (cos and sin are scaled by m).
+
+  Frequency i is interpolated (divided by the factor s) below the ramp, kept above it, and
+  blended linearly in between; the ramp runs over the dims that turn beta_fast..beta_slow times
+  in the original context (`rope.scaling.original_context_length`). m = attn_factor *
+  (0.1 ln s + 1).
+
+  Raises:
+    GGUFError: missing or non-positive values.
+  """
+  s = meta.positive_float("rope.scaling.factor", 1.0)
+  orig = meta.positive_int("rope.scaling.original_context_length")
+  beta_fast = meta.positive_float("rope.scaling.yarn_beta_fast", 32.0)
+  beta_slow = meta.positive_float("rope.scaling.yarn_beta_slow", 1.0)
+
+  def dim_of(rotations: float) -> float:  # The dim that turns `rotations` times in `orig`.
+    return rope_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+  low = max(math.floor(dim_of(beta_fast)), 0)
+  high = min(math.ceil(dim_of(beta_slow)), rope_dim - 1)
+  span = max(high - low, 0.001)
+  factors = []
+  for i in range(rope_dim // 2):
+    keep = 1.0 - min(max((i - low) / span, 0.0), 1.0)  # 1: extrapolate (unscaled).
+    factors.append(1.0 / (keep + (1.0 - keep) / s))
+  mscale = meta.positive_float("rope.scaling.attn_factor", 1.0) * \
+      (0.1 * math.log(s) + 1.0 if s > 1.0 else 1.0)
+  return tuple(factors), mscale
+
+
+def rope_freq_factors(meta: MetadataReader, tensors: Mapping[str, Any], rope_dim: int
+                      ) -> tuple[float, ...]:
+  """The file's `rope_freqs.weight` (R/2 positive f32 divisors of RoPE's inverse frequencies,
+  written by llama.cpp's converter for LLaMA-3.1 "llama3" scaling), or () when absent.
+
+  Raises:
+    GGUFError: a tensor of the wrong size or with values that are not positive and finite.
+  """
+  tensor = tensors.get(ROPE_FREQS) if hasattr(tensors, "get") else None
+  if tensor is None:
+    return ()
+  try:
+    values = np.asarray(tensor.data, np.float32).reshape(-1)
+  except (TypeError, ValueError) as err:
+    raise GGUFError(f"{meta.path}: {ROPE_FREQS} is not an f32 tensor ({err}).") from None
+  if values.size != rope_dim // 2 or not (np.isfinite(values).all() and (values > 0).all()):
+    raise GGUFError(f"{meta.path}: {ROPE_FREQS} must hold {rope_dim // 2} positive finite "
+                    f"values, got {values.size}; the file is corrupt, re-convert it.")
+  return tuple(float(v) for v in values)
+
+
+# GGUF key naming the FFN activation of converted sparse families (absent: the family's own).
+ACTIVATION_KEY = "pijax.ffn_activation"
+ROPE_FREQS = "rope_freqs.weight"

@@ -6,12 +6,13 @@ f32 path reads 538 MB per SmolLM2 token where the file's Q4_1 blocks and Q8_0 em
 on the same weight values (activations stay f32).
 
 Weight formats (`--host_weights`):
-  "gguf": Q4_1 and Q8_0 tensors keep their blocks (lossless); any other type (F32, F16, K-quants)
-    is dequantized and re-quantized to Q8_0. A layer's q, k, v share one format (all Q8_0 if the
-    file mixes them).
+  "gguf": tensors of a type a host kernel reads (`qmatmul.GGML_KINDS`: Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16) keep their blocks (lossless); any other type (F32, other
+    quants) is dequantized and re-quantized to Q8_0, with one stderr line saying so. A layer's
+    q, k, v keep their own formats when the file mixes them (`qconcat.RowConcat`).
   "q8_0": every matrix in Q8_0 (Q8_0 tensors kept, the rest re-quantized from their f32 values).
-"auto" picks "gguf" on a CPU backend for a float32 run of a GGUF whose matrices are all Q4_1 or
-Q8_0, token embedding and output head included (nothing re-quantized), and "off" (the XLA
+"auto" picks "gguf" on a CPU backend for a float32 run of a GGUF whose matrices are all of those
+types, token embedding and output head included (nothing re-quantized), and "off" (the XLA
 backend) otherwise.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 from typing import Any
 
 import flax
@@ -28,10 +30,11 @@ import numpy as np
 
 import host_ops
 from host_ops import decoder as decoder_lib
+from host_ops import qconcat
 from host_ops import qmatmul
 from pijax.formats import gguf as gguf_io
 from pijax.formats import loader
-from pijax.arch import registry
+from pijax.arch import spec
 from pijax.arch.spec import ModelConfig
 from pijax.backends import base
 from pijax.backends import bridge
@@ -43,7 +46,8 @@ WEIGHTS_GGUF = "gguf"
 WEIGHTS_Q8_0 = "q8_0"
 WEIGHTS_AUTO = "auto"
 WEIGHT_CHOICES = (WEIGHTS_AUTO, WEIGHTS_OFF, WEIGHTS_GGUF, WEIGHTS_Q8_0)
-_KEPT_TYPES = {"Q4_1": qmatmul.Q4_1, "Q8_0": qmatmul.Q8_0}
+# GGML type name -> host kernel format, for every type a host kernel reads from its blocks.
+_KEPT_TYPES = qmatmul.GGML_KINDS
 
 
 def _tensor_kind(tensor: Any) -> str | None:
@@ -51,8 +55,8 @@ def _tensor_kind(tensor: Any) -> str | None:
 
 
 def file_is_block_quantized(path: str | os.PathLike[str]) -> bool:
-  """True when every matrix of the GGUF (layers, token embedding, output head) is Q4_1 or Q8_0,
-  so "gguf" re-quantizes nothing (llama.cpp's Q4_1 files often keep output.weight in Q6_K)."""
+  """True when every matrix of the GGUF (layers, token embedding, output head) is of a type a
+  host kernel reads (`qmatmul.GGML_KINDS`), so "gguf" re-quantizes nothing."""
   reader, _ = gguf_io.open_gguf(os.fspath(path))
   mats = [t for t in reader.tensors if len(t.shape) == 2]
   return bool(mats) and all(_tensor_kind(t) is not None for t in mats)
@@ -79,63 +83,74 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
                       f"{qmatmul.BLOCK} (the block size); use --host_weights=off.")
   reader, _ = gguf_io.open_gguf(path)
   tensors = {t.name: t for t in reader.tensors}
-  names = registry.get_family(config.arch, path).tensors
-
-  def raw(role: str, layer: int | None = None):
-    name = names.name(role, layer)
-    if name not in tensors:
-      raise GGUFError(f"{path}: tensor {name!r} is missing; the file is incomplete.")
-    return tensors[name]
-
-  def shape_of(tensor) -> tuple[int, ...]:
-    return tuple(int(s) for s in reversed(tensor.shape))
-
-  def finite(name: str, *arrays: np.ndarray) -> None:
-    # NaN/inf in a block format can only sit in its f16 scales (the codes are integers), so
-    # checking the scales catches it for 1/32 of the bytes, at load, with the tensor's name.
-    for a in arrays:
-      if a.dtype.kind == "f" and not np.isfinite(a).all():
-        raise GGUFError(f"{path}: tensor {name!r} holds NaN or inf values; the file is "
-                        "corrupt (re-download or re-convert it).")
+  plan = {(role, i): (where, shape) for role, i, where, shape in loader.weight_plan(config, path)}
+  requantized: dict[str, int] = {}  # GGML type -> tensors re-quantized to Q8_0.
 
   def f32(role: str, layer: int | None = None) -> np.ndarray:
-    out = loader.dequantize(raw(role, layer), path)
-    finite(raw(role, layer).name, out)
-    return out
+    return loader.read_weight(tensors, *plan[role, layer], path)
 
-  def matrix(ts: list[Any]) -> qmatmul.QMatrix:
-    """The [out, in] matrices stacked by rows, kept in their blocks when allowed."""
-    kinds = {_tensor_kind(t) for t in ts}
-    keep = kinds.pop() if len(kinds) == 1 else None
-    if keep is not None and (weights == WEIGHTS_GGUF or keep == qmatmul.Q8_0):
-      mats = [qmatmul.from_gguf_blocks(keep, t.data, shape_of(t)) for t in ts]
-      for t, m in zip(ts, mats):
-        finite(t.name, *m.arrays[1:])
-    else:
-      mats = []
-      for t in ts:
-        rows = loader.dequantize(t, path)
-        finite(t.name, rows)
-        mats.append(qmatmul.quantize_q8_0(rows))
-    return mats[0] if len(mats) == 1 else qmatmul.stack_rows(mats)
+  def one(role: str, layer: int | None) -> qmatmul.QMatrix:
+    """One role's matrix, kept in its blocks when allowed, else re-quantized to Q8_0."""
+    where, shape = plan[role, layer]
+    if where.name not in tensors:
+      raise GGUFError(f"{path}: tensor {where.name!r} is missing; the file is incomplete.")
+    t = tensors[where.name]
+    rows = loader._slice_rows(t, where, shape, path)
+    kind = _tensor_kind(t)
+    if kind is not None and (weights == WEIGHTS_GGUF or kind == qmatmul.Q8_0) and \
+        shape[1] % qmatmul.block_size(kind) == 0:
+      data = t.data if rows is None else t.data[rows[0]:rows[1]]
+      m = qmatmul.from_gguf_blocks(kind, data, shape)
+      if not m.all_finite():  # The f16 scales (codes are integers), checked in place.
+        raise GGUFError(f"{path}: tensor {t.name!r} holds NaN or inf values; the file is "
+                        "corrupt (re-download or re-convert it).")
+      return m
+    if weights == WEIGHTS_GGUF:
+      requantized[t.tensor_type.name] = requantized.get(t.tensor_type.name, 0) + 1
+    return qmatmul.quantize_q8_0(loader.read_weight(tensors, where, shape, path))
+
+  def matrix(roles: list[str], layer: int | None = None):
+    """The roles' matrices stacked by rows (one QMatrix when they share a format)."""
+    mats = [one(role, layer) for role in roles]
+    if len(mats) == 1:
+      return mats[0]
+    if len({m.kind for m in mats}) == 1:
+      return qmatmul.stack_rows(mats)
+    return qconcat.RowConcat(mats)
+
+  def extra(role: str, layer: int) -> np.ndarray | None:
+    return f32(role, layer) if (role, layer) in plan else None
 
   layers = []
   for i in range(config.n_layers):
+    bias = None
+    if config.qkv_bias:
+      bias = np.concatenate([f32("q_bias", i), f32("k_bias", i), f32("v_bias", i)])
     layers.append(decoder_lib.HostLayer(
         attn_norm=f32("attn_norm", i),
-        qkv=matrix([raw("q", i), raw("k", i), raw("v", i)]),
-        attn_out=matrix([raw("o", i)]),
+        qkv=matrix(["q", "k", "v"], i),
+        attn_out=matrix(["o"], i),
         ffn_norm=f32("ffn_norm", i),
-        gate=matrix([raw("gate", i)]),
-        up=matrix([raw("up", i)]),
-        down=matrix([raw("down", i)])))
-  embedding = matrix([raw("embedding")])
-  head = embedding if config.tied_output else matrix([raw("lm_head")])
+        gate=matrix(["gate"], i),
+        up=matrix(["up"], i),
+        down=matrix(["down"], i),
+        qkv_bias=bias, q_norm=extra("q_norm", i), k_norm=extra("k_norm", i),
+        post_attn_norm=extra("post_attn_norm", i), post_ffn_norm=extra("post_ffn_norm", i)))
+  embedding = matrix(["embedding"])
+  head = embedding if config.tied_output else matrix(["lm_head"])
+  if requantized:
+    print(f"pijax: {path}: no host kernel for "
+          f"{', '.join(f'{n} {k}' for k, n in sorted(requantized.items()))} tensor(s); "
+          "re-quantized them to Q8_0 at load.", file=sys.stderr)
   return decoder_lib.HostDecoder(
       embedding, layers, f32("final_norm"), head, eps=config.rms_norm_eps,
       family=config.ffn_family, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
       head_dim=config.head_dim, rope_theta=config.rope_theta, rope_dim=config.rope_dim,
-      rope_scale=config.rope_scale, rope_adjacent=config.rope_style == ROPE_ADJACENT, dot=dot)
+      rope_scale=config.rope_scale, rope_adjacent=config.rope_style == ROPE_ADJACENT,
+      layer_rope=[config.rope_params(i) for i in range(config.n_layers)],
+      windows=[config.sliding_window if config.is_local(i) else 0
+               for i in range(config.n_layers)],
+      attn_scale=config.attention_scale, embedding_scale=config.embedding_scale, dot=dot)
 
 
 @flax.struct.dataclass
@@ -164,6 +179,7 @@ class HostBackend(base.Backend):
 
   name = "host"
   exact_kv = True
+  implemented_switches = frozenset(spec.SWITCHES)  # Every family's switches.
   # Donated although it is only an id: XLA:CPU then runs the step on the calling thread, where
   # numba's thread pool lives; on XLA's worker thread the same host pass ran 3x slower
   # (BUILD_NOTES.md, issue 10).
@@ -389,6 +405,9 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
   if gate_sparse and weights == WEIGHTS_OFF:
     raise ConfigError("--gate_sparse runs on quantized host weights: add --host_weights=gguf "
                       "(or q8_0); it needs a plain GGUF.")
+  if gate_sparse and model.config.ffn_family not in ("swiglu", "reglu", "drelu"):
+    raise ConfigError(f"--gate_sparse skips neurons by their gate (SwiGLU, ReGLU, dReLU FFNs); "
+                      f"this model's FFN is {model.config.ffn_family}: drop --gate_sparse.")
   if weights == WEIGHTS_OFF:
     return xla.XlaBackend(model.config, model.params, model.dtype)
   chunks = None

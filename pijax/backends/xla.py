@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pijax.nn import transformer as model_lib
+from pijax.arch import spec
 from pijax.arch.spec import ModelConfig
 from pijax.backends import base
 
@@ -24,6 +25,7 @@ class XlaBackend(base.Backend):
   """
 
   name = "xla"
+  implemented_switches = frozenset(spec.SWITCHES)  # Every family's switches.
 
   def __init__(self, config: ModelConfig, params: Any, dtype: Any):
     super().__init__(config)

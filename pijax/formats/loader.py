@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pijax import config as config_lib
 from pijax.arch import registry
 from pijax.arch.spec import ModelConfig
 from pijax.errors import GGUFError
@@ -91,6 +92,40 @@ def _check_finite(arr: np.ndarray, name: str, path: str) -> None:
                     "(re-download or re-convert it).")
 
 
+def _slice_rows(tensor: Any, where: registry.TensorSlice, shape: tuple[int, ...], path: str
+                ) -> tuple[int, int] | None:
+  """Checks that `tensor` holds `where`'s role with `shape`; returns the rows to read (None: all).
+
+  Raises:
+    GGUFError: a tensor of another shape (for a fused tensor: other than all its parts).
+  """
+  got = tuple(int(x) for x in reversed(tensor.shape))
+  if where.lo is None:
+    if got != shape:
+      raise GGUFError(f"{path}: tensor {where.name!r} has shape {got}, expected {shape}.")
+    return None
+  want = (where.rows,) + tuple(shape[1:])
+  if got != want:
+    raise GGUFError(f"{path}: fused tensor {where.name!r} has shape {got}, expected {want}.")
+  return where.lo, where.hi
+
+
+def weight_plan(cfg: ModelConfig, path: str) -> list[tuple[str, int | None, registry.TensorSlice,
+                                                          tuple[int, ...]]]:
+  """Every weight the model reads: (role, layer or None, where it lives, NumPy shape)."""
+  names = registry.get_family(cfg.arch, path).tensors
+  plan = [("embedding", None, names.locate("embedding", None, cfg),
+           (cfg.vocab_size, cfg.hidden_size)),
+          ("final_norm", None, names.locate("final_norm", None, cfg), (cfg.hidden_size,))]
+  if not cfg.tied_output:
+    plan.append(("lm_head", None, names.locate("lm_head", None, cfg),
+                 (cfg.vocab_size, cfg.hidden_size)))
+  shapes = registry.layer_shapes(cfg)
+  for i in range(cfg.n_layers):
+    plan += [(role, i, names.locate(role, i, cfg), shape) for role, shape in shapes.items()]
+  return plan
+
+
 def read_gguf(path: str | os.PathLike[str], *, ffn_activation: str | None = None
               ) -> tuple[ModelConfig, dict[str, Any]]:
   """(config, metadata) of a GGUF, checking that every tensor the model needs is present with
@@ -103,33 +138,39 @@ def read_gguf(path: str | os.PathLike[str], *, ffn_activation: str | None = None
   path = os.fspath(path)
   reader, metadata = open_gguf(path)
   tensors = {t.name: t for t in reader.tensors}
-  cfg = registry.config_from_metadata(metadata, path, set(tensors), ffn_activation)
-  names = registry.get_family(cfg.arch, path).tensors
-  d, n, k, h, f = (cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                   cfg.intermediate_size)
-  want = [("embedding", None, (cfg.vocab_size, d)), ("final_norm", None, (d,))]
-  if not cfg.tied_output:
-    want.append(("lm_head", None, (cfg.vocab_size, d)))
-  for i in range(cfg.n_layers):
-    want += [("attn_norm", i, (d,)), ("q", i, (n * h, d)), ("k", i, (k * h, d)),
-             ("v", i, (k * h, d)), ("o", i, (d, n * h)), ("ffn_norm", i, (d,)),
-             ("gate", i, (f, d)), ("up", i, (f, d)), ("down", i, (d, f))]
-  for role, i, shape in want:
-    name = names.name(role, i)
-    if name not in tensors:
-      raise GGUFError(f"{path}: tensor {name!r} is missing; the file is incomplete.")
-    got = tuple(int(x) for x in reversed(tensors[name].shape))
-    if got != shape:
-      raise GGUFError(f"{path}: tensor {name!r} has shape {got}, expected {shape}.")
+  cfg = registry.config_from_metadata(metadata, path, tensors, ffn_activation)
+  for _, _, where, shape in weight_plan(cfg, path):
+    if where.name not in tensors:
+      raise GGUFError(f"{path}: tensor {where.name!r} is missing; the file is incomplete.")
+    rows = _slice_rows(tensors[where.name], where, shape, path)
     # One row through the dequantizer: an unsupported type fails here, at load, not later.
-    dequantize(tensors[name], path, rows=(0, 1) if len(shape) == 2 else None)
+    if len(shape) == 2:
+      lo = rows[0] if rows else 0
+      dequantize(tensors[where.name], path, rows=(lo, lo + 1))
+    else:
+      dequantize(tensors[where.name], path)
   return cfg, metadata
+
+
+def read_weight(tensors: dict[str, Any], where: registry.TensorSlice, shape: tuple[int, ...],
+                path: str, dtype: np.dtype = np.dtype(np.float32)) -> np.ndarray:
+  """One role's weight (`weight_plan`) dequantized to `dtype` with its `shape`, checked finite.
+
+  Raises:
+    GGUFError: missing, wrong shape, unreadable type, NaN/inf.
+  """
+  if where.name not in tensors:
+    raise GGUFError(f"{path}: tensor {where.name!r} is missing; the file is incomplete.")
+  rows = _slice_rows(tensors[where.name], where, shape, path)
+  arr = dequantize(tensors[where.name], path, dtype, rows=rows).reshape(shape)
+  _check_finite(arr, where.name, path)
+  return arr
 
 
 def load_gguf(path: str | os.PathLike[str], *, dtype: str = "float32",
               ffn_activation: str | None = None,
               ) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
-  """Loads a llama-family GGUF as (config, params, metadata).
+  """Loads a GGUF of a supported family as (config, params, metadata).
 
   Args:
     path: the .gguf file.
@@ -143,7 +184,10 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str = "float32",
       layers_{i}/attn/qkv_proj/kernel: [hidden, (n_heads + 2 n_kv_heads) head_dim] (q | k | v);
       layers_{i}/attn/o_proj/kernel: [n_heads head_dim, hidden]; layers_{i}/ffn_norm/scale;
       layers_{i}/ffn/{gate,up}/kernel: [hidden, ffn]; layers_{i}/ffn/down/kernel: [ffn, hidden];
-      final_norm/scale: [hidden]; lm_head/kernel: [hidden, vocab] (absent when tied).
+      final_norm/scale: [hidden]; lm_head/kernel: [hidden, vocab] (absent when tied). Where
+      the config says so: layers_{i}/attn/qkv_bias: [(n_heads + 2 n_kv_heads) head_dim],
+      layers_{i}/attn/{q_norm,k_norm}/scale: [head_dim],
+      layers_{i}/{post_attn_norm,post_ffn_norm}/scale: [hidden].
     metadata: the GGUF key/values (tokenizer, chat template...).
 
   Raises:
@@ -152,65 +196,59 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str = "float32",
   path = os.fspath(path)
   reader, metadata = open_gguf(path)
   tensors = {t.name: t for t in reader.tensors}
-  cfg = registry.config_from_metadata(metadata, path, set(tensors), ffn_activation)
-  names = registry.get_family(cfg.arch, path).tensors
+  cfg = registry.config_from_metadata(metadata, path, tensors, ffn_activation)
   np_dtype = numpy_dtype(dtype)
-  d, n, k, h, f = (cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                   cfg.intermediate_size)
+  plan = {(role, i): (where, shape) for role, i, where, shape in weight_plan(cfg, path)}
 
-  def get(name: str, shape: tuple[int, ...], dtype: np.dtype = np.dtype(np.float32)
-          ) -> np.ndarray:
-    if name not in tensors:
-      raise GGUFError(f"{path}: tensor {name!r} is missing; the file is incomplete.")
-    arr = dequantize(tensors[name], path, dtype)
-    if arr.shape != shape:
-      raise GGUFError(f"{path}: tensor {name!r} has shape {arr.shape}, expected {shape}.")
-    _check_finite(arr, name, path)
-    return arr
+  def get(role: str, i: int | None = None, dtype: np.dtype = np.dtype(np.float32)) -> np.ndarray:
+    return read_weight(tensors, *plan[role, i], path, dtype)
 
-  def matrix_on_device(name: str, shape: tuple[int, int]) -> jax.Array:
+  def matrix_on_device(role: str) -> jax.Array:
     """A large [rows, cols] tensor moved to JAX in row blocks (no full host copy)."""
-    if name not in tensors:
-      raise GGUFError(f"{path}: tensor {name!r} is missing; the file is incomplete.")
-    tensor = tensors[name]
-    got = tuple(int(x) for x in reversed(tensor.shape))
-    if got != shape:
-      raise GGUFError(f"{path}: tensor {name!r} has shape {got}, expected {shape}.")
+    where, shape = plan[role, None]
+    if where.name not in tensors:
+      raise GGUFError(f"{path}: tensor {where.name!r} is missing; the file is incomplete.")
+    _slice_rows(tensors[where.name], where, shape, path)
     out = jnp.zeros(shape, np_dtype)
     block = 4096
     for start in range(0, shape[0], block):
       stop = min(start + block, shape[0])
-      rows = dequantize(tensor, path, np_dtype, rows=(start, stop))
-      _check_finite(rows, name, path)
+      rows = dequantize(tensors[where.name], path, np_dtype, rows=(start, stop))
+      _check_finite(rows, where.name, path)
       out = _set_rows(out, rows, start)
     return out
 
+  def vec(role: str, i: int) -> dict[str, jax.Array]:
+    return {"scale": jnp.asarray(get(role, i).astype(np_dtype))}
+
   # GGUF stores matrices as [out, in]; our kernels are [in, out] (split into heads).
-  params: dict[str, Any] = {
-      "embed": {"embedding": matrix_on_device(names.name("embedding"), (cfg.vocab_size, d))},
-  }
+  params: dict[str, Any] = {"embed": {"embedding": matrix_on_device("embedding")}}
   for i in range(cfg.n_layers):
-    def w(name: str, shape: tuple[int, ...], layout=lambda a: a) -> jax.Array:
-      return jnp.asarray(np.ascontiguousarray(layout(get(names.name(name, i), shape)), np_dtype))
-    params[f"layers_{i}"] = {
-        "attn_norm": {"scale": w("attn_norm", (d,))},
-        "attn": {
-            "qkv_proj": {"kernel": jnp.asarray(np.concatenate(
-                [get(names.name("q", i), (n * h, d)).T,
-                 get(names.name("k", i), (k * h, d)).T,
-                 get(names.name("v", i), (k * h, d)).T], axis=1).astype(np_dtype))},
-            "o_proj": {"kernel": w("o", (d, n * h), lambda a: a.T)},
-        },
-        "ffn_norm": {"scale": w("ffn_norm", (d,))},
-        "ffn": {
-            "gate": {"kernel": w("gate", (f, d), lambda a: a.T)},
-            "up": {"kernel": w("up", (f, d), lambda a: a.T)},
-            "down": {"kernel": w("down", (d, f), lambda a: a.T)},
-        },
+    def w(role: str) -> jax.Array:
+      return jnp.asarray(np.ascontiguousarray(get(role, i).T, np_dtype))
+    attn: dict[str, Any] = {
+        "qkv_proj": {"kernel": jnp.asarray(np.concatenate(
+            [get("q", i).T, get("k", i).T, get("v", i).T], axis=1).astype(np_dtype))},
+        "o_proj": {"kernel": w("o")},
     }
-  params["final_norm"] = {"scale": jnp.asarray(get(names.name("final_norm"), (d,)).astype(np_dtype))}
+    if cfg.qkv_bias:
+      attn["qkv_bias"] = jnp.asarray(np.concatenate(
+          [get("q_bias", i), get("k_bias", i), get("v_bias", i)]).astype(np_dtype))
+    if cfg.qk_norm:
+      attn["q_norm"], attn["k_norm"] = vec("q_norm", i), vec("k_norm", i)
+    layer = {
+        "attn_norm": vec("attn_norm", i),
+        "attn": attn,
+        "ffn_norm": vec("ffn_norm", i),
+        "ffn": {"gate": {"kernel": w("gate")}, "up": {"kernel": w("up")},
+                "down": {"kernel": w("down")}},
+    }
+    if cfg.norm_placement == config_lib.NORM_SANDWICH:
+      layer["post_attn_norm"], layer["post_ffn_norm"] = vec("post_attn_norm", i), \
+          vec("post_ffn_norm", i)
+    params[f"layers_{i}"] = layer
+  params["final_norm"] = {"scale": jnp.asarray(get("final_norm").astype(np_dtype))}
   if not cfg.tied_output:
-    params["lm_head"] = {"kernel": jnp.asarray(
-        get(names.name("lm_head"), (cfg.vocab_size, d), np_dtype).T)}
+    params["lm_head"] = {"kernel": jnp.asarray(get("lm_head", None, np_dtype).T)}
   logging.debug("loaded %s: %s, %d params", path, cfg, cfg.n_params())
   return cfg, params, metadata

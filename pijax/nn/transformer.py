@@ -75,14 +75,20 @@ class RMSNorm(nn.Module):
     return rms_norm(x, scale, self.eps)
 
 
-def rope_angles(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def rope_angles(positions: jax.Array, config: ModelConfig, layer: int = 0
+                ) -> tuple[jax.Array, jax.Array]:
   """cos, sin of RoPE (Su et al. 2021, RoFormer §3.4) for integer positions [B, T] -> [B, T, R/2].
 
-  Pair i rotates by position / rope_scale * rope_theta ** (-2i / R), R = rope_dim.
+  Pair i rotates by position / scale * theta ** (-2i / R) / factor_i, R = rope_dim, with
+  (theta, scale, factors) = `config.rope_params(layer)` (local layers may have their own base;
+  factors are LLaMA-3.1's `rope_freqs`).
   """
+  theta, scale, factors = config.rope_params(layer)
   half = config.rope_dim // 2
-  inv_freq = config.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / config.rope_dim)
-  angles = positions.astype(jnp.float32)[..., None] / config.rope_scale * inv_freq
+  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / config.rope_dim)
+  if factors:
+    inv_freq = inv_freq / jnp.asarray(factors, jnp.float32)
+  angles = positions.astype(jnp.float32)[..., None] / scale * inv_freq
   return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -108,13 +114,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, style: str) -> jax.
 
 def ffn_activation(gate: jax.Array, up: jax.Array, family: str) -> jax.Array:
   """Per-neuron FFN activation a = act(gate x) * (up x) by family: SwiGLU silu(g) u (Shazeer
-  2020), ReGLU relu(g) u, dReLU relu(g) relu(u) (Turbo Sparse, arXiv 2406.05955 §3)."""
+  2020), ReGLU relu(g) u, dReLU relu(g) relu(u) (Turbo Sparse, arXiv 2406.05955 §3), GeGLU
+  gelu_tanh(g) u (Gemma)."""
   if family == config_lib.FFN_SWIGLU:
     return jax.nn.silu(gate) * up
   if family == config_lib.FFN_REGLU:
     return jax.nn.relu(gate) * up
   if family == config_lib.FFN_DRELU:
     return jax.nn.relu(gate) * jax.nn.relu(up)
+  if family == config_lib.FFN_GEGLU:
+    return jax.nn.gelu(gate, approximate=True) * up
   raise ValueError(f"unknown FFN family {family!r}")
 
 
@@ -131,8 +140,9 @@ class Einsum(nn.Module):
 
 
 def attention_core(qkv: jax.Array, cache_k: jax.Array, cache_v: jax.Array, pos: jax.Array,
-                   cos: jax.Array, sin: jax.Array, *, config: ModelConfig, kv_len: int
-                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   cos: jax.Array, sin: jax.Array, *, config: ModelConfig, kv_len: int,
+                   window: int = 0, q_norm: jax.Array | None = None,
+                   k_norm: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Grouped-query attention from projected q | k | v, reading and writing one layer's KV cache.
 
   Args:
@@ -141,6 +151,8 @@ def attention_core(qkv: jax.Array, cache_k: jax.Array, cache_v: jax.Array, pos: 
     pos: i32[] position of the first token.
     cos, sin: [B, T, R/2] from `rope_angles`.
     config: static ModelConfig; kv_len: static window [0, kv_len) attended (causal mask).
+    window: static; > 0 attends only keys at positions > query position - window (local layer).
+    q_norm, k_norm: [H] RMSNorm scales applied to each query / key head before RoPE (QK-norm).
 
   Returns:
     (out [B, T, N H] before the output projection, cache_k, cache_v with [pos, pos + T) written).
@@ -152,6 +164,9 @@ def attention_core(qkv: jax.Array, cache_k: jax.Array, cache_v: jax.Array, pos: 
   q = qkv[..., : n * h].reshape(b, t, n, h)  # [B, T, N, H]
   key = qkv[..., n * h:(n + k) * h].reshape(b, t, k, h)  # [B, T, K, H]
   value = qkv[..., (n + k) * h:].reshape(b, t, k, h)  # [B, T, K, H]
+  if q_norm is not None:
+    q = rms_norm(q, q_norm, cfg.rms_norm_eps)
+    key = rms_norm(key, k_norm, cfg.rms_norm_eps)
   q = apply_rope(q, cos, sin, cfg.rope_style)
   key = apply_rope(key, cos, sin, cfg.rope_style)
 
@@ -166,10 +181,12 @@ def attention_core(qkv: jax.Array, cache_k: jax.Array, cache_v: jax.Array, pos: 
 
   qg = q.reshape(b, t, k, g, h)  # [B, T, K, G, H]
   scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, keys,
-                      preferred_element_type=jnp.float32) * (h ** -0.5)
+                      preferred_element_type=jnp.float32) * cfg.attention_scale
   q_pos = pos + jnp.arange(t, dtype=jnp.int32)  # [T]
   k_pos = jnp.arange(kv_len, dtype=jnp.int32)  # [S]
   causal = k_pos[None, :] <= q_pos[:, None]  # [T, S]
+  if window > 0:
+    causal = causal & (k_pos[None, :] > q_pos[:, None] - window)
   scores = jnp.where(causal, scores, config_lib.MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # [B, K, G, T, S]
   out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values).reshape(b, t, n * h)
@@ -181,6 +198,7 @@ class Attention(nn.Module):
 
   config: ModelConfig
   kv_len: int  # static: keys [0, kv_len) of the cache are attended (causal mask inside).
+  window: int = 0  # static: > 0 for a sliding-window (local) layer.
 
   @nn.compact
   def __call__(self, x: jax.Array, cache_k: jax.Array, cache_v: jax.Array, pos: jax.Array,
@@ -196,8 +214,15 @@ class Attention(nn.Module):
     # One fused [D, (N + 2K) * H] projection: on XLA CPU one 2-D matmul reads weights ~3x
     # faster than three small 3-D einsums (BUILD_NOTES.md, "Layer loop").
     qkv = Einsum((d, (n + 2 * k) * h), "BTD,DE->BTE", name="qkv_proj")(x)  # [B, T, (N+2K)*H]
+    if cfg.qkv_bias:
+      qkv = qkv + self.param("qkv_bias", nn.initializers.zeros, (qkv.shape[-1],), qkv.dtype)
+    q_norm = k_norm = None
+    if cfg.qk_norm:
+      q_norm = self.param("q_norm", lambda *_: {"scale": jnp.ones((h,), x.dtype)})["scale"]
+      k_norm = self.param("k_norm", lambda *_: {"scale": jnp.ones((h,), x.dtype)})["scale"]
     out, cache_k, cache_v = attention_core(qkv, cache_k, cache_v, pos, cos, sin, config=cfg,
-                                           kv_len=self.kv_len)
+                                           kv_len=self.kv_len, window=self.window,
+                                           q_norm=q_norm, k_norm=k_norm)
     y = Einsum((n * h, d), "BTE,ED->BTD", name="o_proj")(out)  # [B, T, D]
     return y, cache_k, cache_v
 
@@ -218,7 +243,8 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-  """One decoder layer (pre-norm): x += attn(norm(x)); x += ffn(norm(x)).
+  """One decoder layer: pre-norm x += attn(norm(x)); x += ffn(norm(x)), or "sandwich" (Gemma)
+  x += post_norm(attn(norm(x))); x += post_norm(ffn(norm(x))).
 
   With `sparse` set (a `pijax.nn.hybrid.SparseSpec`), the FFN is the module its `make_ffn` returns:
   the hybrid one (predicted or oracle active neurons, hot on the device, cold on the host).
@@ -233,19 +259,26 @@ class Block(nn.Module):
   def __call__(self, x: jax.Array, cache_k: jax.Array, cache_v: jax.Array, pos: jax.Array,
                cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x: [B, T, D]; cache_k, cache_v: this layer's [B, S, K, H]. Returns (x, k, v)."""
-    eps = self.config.rms_norm_eps
-    h, cache_k, cache_v = Attention(self.config, self.kv_len, name="attn")(
+    cfg = self.config
+    eps = cfg.rms_norm_eps
+    sandwich = cfg.norm_placement == config_lib.NORM_SANDWICH
+    window = cfg.sliding_window if cfg.is_local(self.layer) else 0
+    h, cache_k, cache_v = Attention(cfg, self.kv_len, window, name="attn")(
         RMSNorm(eps, name="attn_norm")(x), cache_k, cache_v, pos, cos, sin)
+    if sandwich:
+      h = RMSNorm(eps, name="post_attn_norm")(h)
     x = x + h
     # The FFN-block input (residual stream before its norm): the predictors' input. Recorded
     # only when applied with mutable=["intermediates"] (the profiler); free otherwise.
     self.sow("intermediates", "ffn_input", x)
     h = RMSNorm(eps, name="ffn_norm")(x)
     if self.sparse is None:
-      x = x + FeedForward(self.config, name="ffn")(h)
+      h = FeedForward(cfg, name="ffn")(h)
     else:
-      x = x + self.sparse.make_ffn(self.config, self.layer, name="ffn")(x, h)
-    return x, cache_k, cache_v
+      h = self.sparse.make_ffn(cfg, self.layer, name="ffn")(x, h)
+    if sandwich:
+      h = RMSNorm(eps, name="post_ffn_norm")(h)
+    return x + h, cache_k, cache_v
 
 
 class Transformer(nn.Module):
@@ -278,13 +311,19 @@ class Transformer(nn.Module):
     cfg = self.config
     embedding = Embed(cfg.vocab_size, cfg.hidden_size, name="embed")
     x = embedding.lookup(tokens)  # [B, T, D]
+    if cfg.embedding_scale != 1.0:
+      x = x * jnp.asarray(cfg.embedding_scale, x.dtype)
     t = tokens.shape[1]
     positions = jnp.broadcast_to(jnp.asarray(pos, jnp.int32) + jnp.arange(t, dtype=jnp.int32),
                                  tokens.shape)  # [B, T]
-    cos, sin = rope_angles(positions, cfg)  # [B, T, R/2]
+    angles = {}  # One cos/sin table per distinct RoPE (global and local layers may differ).
     pos = jnp.asarray(pos, jnp.int32)
     new_k, new_v = [], []
     for i in range(cfg.n_layers):
+      key = cfg.rope_params(i)
+      if key not in angles:
+        angles[key] = rope_angles(positions, cfg, i)  # [B, T, R/2] each
+      cos, sin = angles[key]
       x, k, v = Block(cfg, self.kv_len, i, self.sparse, name=f"layers_{i}")(
           x, cache.k[i], cache.v[i], pos, cos, sin)
       new_k.append(k)
