@@ -360,6 +360,25 @@ def open_gguf(path: str | os.PathLike[str]) -> tuple[gguf.GGUFReader, dict[str, 
       or a tensor whose data lies outside the file.
   """
   path = _check_path(path)
+  st = os.stat(path)
+  key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+  if _LAST_OPENED and _LAST_OPENED[0] == key:  # Loading reads one file several times.
+    reader, metadata = _LAST_OPENED[1]
+    return reader, dict(metadata)
+  reader, metadata = _open_uncached(path)
+  _LAST_OPENED[:] = [key, (reader, metadata)]
+  return reader, dict(metadata)
+
+
+# [(realpath, size, mtime_ns, inode), (reader, metadata)] of the last file opened: a load
+# opens the file from the config reader, the weight loader and the host builder, and
+# gguf.GGUFReader parses every metadata value each time (seconds and hundreds of MB for a
+# 262k-token vocabulary).
+_LAST_OPENED: list[Any] = []
+
+
+def _open_uncached(path: str) -> tuple[gguf.GGUFReader, dict[str, Any]]:
+  """`open_gguf` without the cache."""
   _scan_header(path)  # Every size field checked before the reader trusts it.
   try:
     reader = gguf.GGUFReader(path, "r")
@@ -374,6 +393,11 @@ def open_gguf(path: str | os.PathLike[str]) -> tuple[gguf.GGUFReader, dict[str, 
     except Exception as err:  # UnicodeDecodeError: a string value that is not UTF-8.
       raise GGUFError(f"{path}: corrupt metadata value for {_short(key)} "
                       f"({' '.join(str(err).split())}); re-convert the file.") from None
+  # The reader's per-element views of large arrays (numpy views per token) are not needed once
+  # the values are read: dropping them frees most of the reader's memory.
+  for key, field in list(reader.fields.items()):
+    if len(field.data) > 1024:
+      reader.fields[key] = field._replace(parts=[], data=[])
   return reader, metadata
 
 
