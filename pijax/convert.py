@@ -97,9 +97,13 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
   Raises:
     ConfigError, BudgetError, BundleError: bad options, a budget too small for the dense part,
       an existing --out without --overwrite.
+    UnsupportedError: a family the hybrid backend does not run (not llama).
   """
   start = time.perf_counter()
   cfg = model.config
+  # Bundles run on the hybrid backend: refuse families it does not run before profiling.
+  from pijax.backends import hybrid as hybrid_backend
+  hybrid_backend.HybridBackend.supports(cfg)
   if opts.device_budget_bytes is None and opts.hot_ratio is None:
     raise ConfigError("pass --device_budget_gb (or --hot_ratio) so neurons can be placed.")
   _check_out(opts)

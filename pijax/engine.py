@@ -641,10 +641,26 @@ def load(path_or_default: str | os.PathLike[str] = "default", *, dtype: str = "f
 
   seq = config.context_length if not max_seq_len else min(int(max_seq_len),
                                                            config.context_length)
+  _check_kv_fits(config, seq, path)
   model = Model(config, params, tokenizer, metadata, max_seq_len=seq, dtype=dtype, path=path,
                 load_s=time.perf_counter() - start)
   model.file_stamp = (path, stamp)
   return model
+
+
+def _check_kv_fits(config: Any, seq: int, path: str) -> None:
+  """ConfigError when an f32 KV cache of `seq` tokens would not fit in this machine's RAM (a
+  128k-token context, or a lying `context_length`), before anything is allocated."""
+  from pijax.nn import transformer as model_lib
+  need = model_lib.kv_cache_bytes(config, 1, seq, 4)
+  try:
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return
+  if need > have:
+    raise ConfigError(f"{path}: a KV cache of {seq} tokens needs {need / 2**30:.1f} GiB, more "
+                      f"than this machine's {have / 2**30:.1f} GiB of RAM; pass a smaller "
+                      "--max_seq_len (e.g. 4096).")
 
 
 def _file_stamp(path: str) -> tuple[int, int] | None:

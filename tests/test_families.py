@@ -102,11 +102,18 @@ def test_host_matches_xla_on_the_same_blocks(family):
   assert np.abs(host_logits - hf_ref).max() <= 0.1 * np.abs(hf_ref).max()
 
 
-def test_hybrid_refuses_families_it_does_not_run(family):
-  name, _, path, _ = family
-  cfg = pijax.load(path, max_seq_len=64).config
+def test_hybrid_refuses_families_it_does_not_run(family, tmp_path):
+  """Sparse bundles run plain llama files only: the hybrid backend and `pijax.convert` (before
+  profiling) refuse every other family and llama's RoPE-factor / sliding-window variants."""
+  from pijax import convert
+  _, _, path, _ = family
+  model = pijax.load(path, max_seq_len=64)
   with pytest.raises(UnsupportedError, match="hybrid backend cannot run"):
-    hybrid_backend.HybridBackend.supports(cfg)
+    hybrid_backend.HybridBackend.supports(model.config)
+  opts = convert.ConvertOptions(calibration="unused.txt", out=str(tmp_path / "b"), hot_ratio=0.5)
+  with pytest.raises(UnsupportedError, match=f"architecture '{model.config.arch}'"):
+    convert.convert(model, opts)
+  assert not (tmp_path / "b").exists()
 
 
 def _meta(arch, **extra):

@@ -195,3 +195,24 @@ def test_synthetic_q4_k_m_mix_runs_on_host_blocks(tmp_path):
   assert dec.layers[0].qkv.kind == "mixed" and dec.layers[1].qkv.kind == "q4_k"
   got = model.prompt_logits(ids)
   np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_a_kv_cache_larger_than_ram_is_refused_before_allocation(tmp_path, monkeypatch):
+  """max_seq_len=0 means the file's context_length; a context whose f32 KV cache exceeds the
+  machine's RAM (a 128k-token model, or a lying value) is one ConfigError, nothing allocated."""
+  import pijax
+  from pijax import engine
+  from pijax.errors import ConfigError
+  path = synthetic.write(str(tmp_path / "t.gguf"), shape="tiny", qtype="Q8_0", activation="silu")
+  real = engine.read_gguf
+
+  def huge_context(*args, **kwargs):
+    import dataclasses
+    cfg, meta = real(*args, **kwargs)
+    return dataclasses.replace(cfg, context_length=1 << 40), meta
+
+  monkeypatch.setattr(engine, "read_gguf", huge_context)
+  with pytest.raises(ConfigError, match="KV cache of 1099511627776 tokens needs .* --max_seq_len"):
+    pijax.load(str(tmp_path / "t.gguf"), max_seq_len=0)
+  assert pijax.load(str(tmp_path / "t.gguf"), max_seq_len=64).max_seq_len == 64
+  del path

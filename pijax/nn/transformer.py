@@ -1,4 +1,4 @@
-"""The llama-family decoder as flax.linen modules, applied as pure functions.
+"""The decoder of every supported family as flax.linen modules, applied as pure functions.
 
 Shape letters (einsums and comments): B batch, T query tokens, S key positions (KV cache
 window), D hidden_size, N query heads, K KV heads, G query heads per KV head (N = K * G),
