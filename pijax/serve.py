@@ -88,7 +88,8 @@ def warm_up(model, stop: threading.Event | None = None) -> float:
   ..., 512 tokens), so no request waits for a compile; returns the seconds spent."""
   from pijax import engine
   start = time.perf_counter()
-  ids = model.encode_prompt("Hello")
+  # Any ids compile the same executables; a vocabulary that cannot spell "Hello" gets token 0.
+  ids = model.tokenizer.encode("Hello") or [0]
   for _ in model.generate_ids(ids, max_new_tokens=2):
     pass
   n = 2 * engine.MIN_PREFILL_BUCKET

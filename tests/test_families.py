@@ -136,10 +136,17 @@ def test_config_parsing_refuses_what_it_cannot_run():
   with pytest.raises(GGUFError, match="LongRoPE"):
     registry.config_from_metadata(_meta("phi3"), "m.gguf",
                                   {"rope_factors_long.weight": _Tensor([1.0])})
-  for bad in ([1.0] * 3, [1.0] * 7 + [0.0], [1.0] * 7 + [np.nan]):
-    with pytest.raises(GGUFError, match="rope_freqs.weight must hold 8"):
+  for bad, message in (([1.0] * 3, "vector of 8"), ([[1.0] * 4] * 2, "vector of 8"),
+                       ([1.0] * 7 + [0.0], "not positive and finite"),
+                       ([1.0] * 7 + [np.nan], "not positive and finite")):
+    with pytest.raises(GGUFError, match=f"rope_freqs.weight .*{message}"):
       registry.config_from_metadata(_meta("llama"), "m.gguf",
                                     {"rope_freqs.weight": _Tensor(bad)})
+  # A window of 2**40 (or any >= the context) is the context: no int32 overflow downstream.
+  huge = registry.config_from_metadata(
+      _meta("phi3", **{"attention.sliding_window": 1 << 40, "context_length": 4096}), "m.gguf",
+      {})
+  assert huge.sliding_window == 4096
   with pytest.raises(GGUFError, match="sliding_window"):
     registry.config_from_metadata(_meta("llama", **{"attention.sliding_window": -1}), "m.gguf",
                                   {})

@@ -171,3 +171,16 @@ def test_session_of_another_model_is_refused(smollm2_path):
   b = pijax.load(smollm2_path, max_seq_len=128)
   with pytest.raises(ConfigError, match="another Model"):
     b.generate_ids(b.encode_prompt("Hi"), max_new_tokens=2, session=Session(a))
+
+
+def test_warm_up_on_a_vocabulary_that_cannot_spell_its_text(tmp_path):
+  """The server's warm-up compiles on token 0 when its text encodes to nothing (the tiny
+  placeholder vocabulary has only "a" and "b"), instead of refusing to start."""
+  import pijax
+  import tiny_models
+  from pijax import serve
+  path = tiny_models.write_random_quantized_gguf(tmp_path / "t.gguf")
+  model = pijax.load(path, max_seq_len=64)
+  assert model.tokenizer.encode("Hello") == []
+  assert serve.warm_up(model) > 0
+  assert model.compile_count("decode") == 1

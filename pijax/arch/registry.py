@@ -215,6 +215,9 @@ def base_fields(meta: MetadataReader, tensors: Mapping[str, Any], ffn_activation
   if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
     raise GGUFError(f"{path}: {arch}.attention.sliding_window={window!r} must be an integer "
                     ">= 0; the file is corrupt.")
+  context = meta.positive_int("context_length", 2048)
+  # A window at least the context sees everything: clamp it (positions are int32 in XLA).
+  window = min(int(window), context, 2**31 - 1)
   return dict(
       arch=arch,
       vocab_size=int(vocab),
@@ -228,7 +231,7 @@ def base_fields(meta: MetadataReader, tensors: Mapping[str, Any], ffn_activation
       rope_style=config_lib.ROPE_HALF,
       rope_dim=rope_dim,
       rms_norm_eps=meta.positive_float("attention.layer_norm_rms_epsilon", 1e-5),
-      context_length=meta.positive_int("context_length", 2048),
+      context_length=context,
       ffn_family=config_lib.ACTIVATION_TO_FAMILY[activation],
       tied_output="output.weight" not in tensors,
       rope_scale=rope_scale,
@@ -283,12 +286,15 @@ def rope_freq_factors(meta: MetadataReader, tensors: Mapping[str, Any], rope_dim
   if tensor is None:
     return ()
   try:
-    values = np.asarray(tensor.data, np.float32).reshape(-1)
+    values = np.asarray(tensor.data, np.float32)
   except (TypeError, ValueError) as err:
     raise GGUFError(f"{meta.path}: {ROPE_FREQS} is not an f32 tensor ({err}).") from None
-  if values.size != rope_dim // 2 or not (np.isfinite(values).all() and (values > 0).all()):
-    raise GGUFError(f"{meta.path}: {ROPE_FREQS} must hold {rope_dim // 2} positive finite "
-                    f"values, got {values.size}; the file is corrupt, re-convert it.")
+  if values.ndim != 1 or values.size != rope_dim // 2:
+    raise GGUFError(f"{meta.path}: {ROPE_FREQS} must be a vector of {rope_dim // 2} values, got "
+                    f"shape {values.shape}; the file is corrupt, re-convert it.")
+  if not (np.isfinite(values).all() and (values > 0).all()):
+    raise GGUFError(f"{meta.path}: {ROPE_FREQS} holds values that are not positive and finite; "
+                    "the file is corrupt, re-convert it.")
   return tuple(float(v) for v in values)
 
 

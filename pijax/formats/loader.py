@@ -72,7 +72,8 @@ def dequantize(tensor: Any, path: str, dtype: np.dtype = np.dtype(np.float32),
   step = max(1, _CHUNK_VALUES // max(out.shape[1], 1))
   try:
     for start in range(0, n_rows, step):
-      chunk = gguf.quants.dequantize(data[start:start + step], tensor.tensor_type)
+      with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf: _check_finite says so.
+        chunk = gguf.quants.dequantize(data[start:start + step], tensor.tensor_type)
       out[start:start + step] = np.asarray(chunk, np.float32).reshape(-1, out.shape[1])
   except NotImplementedError:
     raise GGUFError(f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which "
