@@ -14,7 +14,6 @@ import os
 import socket
 import sys
 import threading
-import time
 
 from absl import flags
 
@@ -83,25 +82,6 @@ def _precheck_model(path: str, dtype: str) -> None:
   registry.config_from_metadata(metadata, path, {t.name: t for t in reader.tensors})
 
 
-def warm_up(model, stop: threading.Event | None = None) -> float:
-  """Compiles the decode step and the prefill of every prompt bucket up to one chunk (16, 32,
-  ..., 512 tokens), so no request waits for a compile; returns the seconds spent."""
-  from pijax import engine
-  start = time.perf_counter()
-  # Any ids compile the same executables; a vocabulary that cannot spell "Hello" gets token 0.
-  ids = model.tokenizer.encode("Hello") or [0]
-  for _ in model.generate_ids(ids, max_new_tokens=2):
-    pass
-  n = 2 * engine.MIN_PREFILL_BUCKET
-  while n <= min(engine.PREFILL_CHUNK, model.max_seq_len):
-    if stop is not None and stop.is_set():
-      break
-    for _ in model.generate_ids((ids * n)[:n], max_new_tokens=1):
-      pass
-    n *= 2
-  return time.perf_counter() - start
-
-
 def main(argv: list[str]) -> None:
   del argv
   try:
@@ -125,6 +105,7 @@ def main(argv: list[str]) -> None:
   _check_port(_HOST.value, _PORT.value)
 
   from pijax.server.app import ServerState, create_app
+  from pijax.server import worker as worker_lib
   state = ServerState(_model_id(model_arg), max_queue=_MAX_QUEUE.value,
                       cache_slots=_CACHE_SLOTS.value)
   app = create_app(state)
@@ -147,7 +128,7 @@ def main(argv: list[str]) -> None:
     try:
       model = pijax.load(model_arg, dtype=_DTYPE.value, max_seq_len=_MAX_SEQ_LEN.value)
       sparse_flags.configure(model)
-      compile_s = warm_up(model, stopping) if _WARMUP.value else 0.0
+      compile_s = worker_lib.warm_up(model, stopping) if _WARMUP.value else 0.0
       if stopping.is_set():
         return
     except Exception as err:  # Reported as one line; the server then stops with exit 2.

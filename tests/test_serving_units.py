@@ -178,9 +178,9 @@ def test_warm_up_on_a_vocabulary_that_cannot_spell_its_text(tmp_path):
   placeholder vocabulary has only "a" and "b"), instead of refusing to start."""
   import pijax
   import tiny_models
-  from pijax import serve
+  from pijax.server import worker
   path = tiny_models.write_random_quantized_gguf(tmp_path / "t.gguf")
   model = pijax.load(path, max_seq_len=64)
   assert model.tokenizer.encode("Hello") == []
-  assert serve.warm_up(model) > 0
+  assert worker.warm_up(model) > 0
   assert model.compile_count("decode") == 1

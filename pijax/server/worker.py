@@ -254,3 +254,22 @@ class Worker:
       steps.close()  # Stops the generation and stores the slot's cache.
     job.post(Done(FINISH_REASONS.get(reason, reason), len(job.ids), produced,
                   slot.last_reused))
+
+
+def warm_up(model, stop: threading.Event | None = None) -> float:
+  """Compiles the decode step and the prefill of every prompt bucket up to one chunk (16, 32,
+  ..., 512 tokens), so no request waits for a compile; returns the seconds spent."""
+  from pijax import engine
+  start = time.perf_counter()
+  # Any ids compile the same executables; a vocabulary that cannot spell "Hello" gets token 0.
+  ids = model.tokenizer.encode("Hello") or [0]
+  for _ in model.generate_ids(ids, max_new_tokens=2):
+    pass
+  n = 2 * engine.MIN_PREFILL_BUCKET
+  while n <= min(engine.PREFILL_CHUNK, model.max_seq_len):
+    if stop is not None and stop.is_set():
+      break
+    for _ in model.generate_ids((ids * n)[:n], max_new_tokens=1):
+      pass
+    n *= 2
+  return time.perf_counter() - start
