@@ -226,18 +226,12 @@ def main(argv: list[str]) -> None:
   sparse_flags.check()
   from absl import logging as absl_logging
   absl_logging.set_verbosity(absl_logging.ERROR)  # Log lines would land inside replies.
-  # Ctrl-C must reach the main thread: a SIGINT the kernel hands to a JAX or numba worker thread
-  # sets Python's flag but leaves input()'s select() asleep, so the prompt seemed deaf to it.
-  # Threads inherit the signal mask, so SIGINT is blocked while the model loads and runs one
-  # step (which starts every thread pool), then unblocked on the main thread only.
-  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-  try:
-    model = pijax.load(_MODEL.value, max_seq_len=_MAX_SEQ_LEN.value)
-    sparse_flags.configure(model)
-    for _ in model.generate_ids([0], max_new_tokens=2):
-      pass
-  finally:
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+  # Ctrl-C at the prompt must interrupt input(): a process started where SIGINT is ignored (a
+  # background job of a non-interactive shell, and so its children) inherits SIG_IGN, and
+  # Python then installs no handler; the REPL is interactive, so it takes SIGINT back.
+  signal.signal(signal.SIGINT, signal.default_int_handler)
+  model = pijax.load(_MODEL.value, max_seq_len=_MAX_SEQ_LEN.value)
+  sparse_flags.configure(model)
   chat = ChatSession(model, settings)
   try:
     import readline  # noqa: F401  (line editing and history for input())
