@@ -398,6 +398,7 @@ class HostDecoder:
       raise HostOpError(f"lm_head {lm_head.shape} / final_norm {self.final_norm.shape} do not "
                         f"match hidden size {d}")
     self._stacked = self._stack_layers()
+    self._layer_extras = [self._extras_of(layer) for layer in self.layers]  # Once, not per token.
 
   _ROLES = ("qkv", "attn_out", "gate", "up", "down")
 
@@ -579,7 +580,7 @@ class HostDecoder:
     scale = np.float32(self.attn_scale)
     for i, layer in enumerate(layers):
       dot = self.dot
-      bias, q_norm, k_norm, post_attn, post_ffn = self._extras_of(layer)
+      bias, q_norm, k_norm, post_attn, post_ffn = self._layer_extras[i]
       qkv = layer.qkv.matmul(self._norm(x, layer.attn_norm), dot=dot)  # [b t, (N + 2K) H]
       if bias.size:
         qkv += bias
