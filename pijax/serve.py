@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -82,6 +83,13 @@ def _precheck_model(path: str, dtype: str) -> None:
   registry.config_from_metadata(metadata, path, {t.name: t for t in reader.tensors})
 
 
+def _quit_now(sig, frame) -> None:
+  del sig, frame
+  sys.stderr.write(f"\n{PROG}: interrupted\n")
+  sys.stderr.flush()
+  os._exit(130)
+
+
 def main(argv: list[str]) -> None:
   del argv
   try:
@@ -110,7 +118,10 @@ def main(argv: list[str]) -> None:
                       cache_slots=_CACHE_SLOTS.value)
   app = create_app(state)
   config = uvicorn.Config(app, host=_HOST.value, port=_PORT.value, log_level="warning",
-                          access_log=False, timeout_graceful_shutdown=5)
+                          access_log=False, timeout_graceful_shutdown=5,
+                          # The app has no startup/shutdown hooks; with lifespan on, a second
+                          # Ctrl-C (force quit) printed the cancelled lifespan task's traceback.
+                          lifespan="off")
   stopping = threading.Event()
 
   class Server(uvicorn.Server):
@@ -158,6 +169,9 @@ def main(argv: list[str]) -> None:
     # uvicorn re-raises the Ctrl-C it turned into a graceful shutdown: that shutdown is done.
   finally:
     # Threads still inside XLA or numba when the interpreter exits abort it: stop them first.
+    # Another Ctrl-C meanwhile quits at once, without the interpreter's exit (which would abort).
+    if threading.current_thread() is threading.main_thread():
+      signal.signal(signal.SIGINT, _quit_now)
     stopping.set()
     loader.join()
     if state.worker is not None:
