@@ -22,6 +22,7 @@ Layout per STYLE.md: numba kernels (norm, activation, RoPE + attention; matmuls 
 from __future__ import annotations
 
 import dataclasses
+import mmap
 
 import numba
 import numpy as np
@@ -60,6 +61,14 @@ class HostLayer:
 
   def matrices(self) -> tuple[qmatmul.QMatrix, ...]:
     return (self.qkv, self.attn_out, self.gate, self.up, self.down)
+
+
+def _lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
+  """f32 zeros whose 4 KiB pages become resident only when written (an anonymous map). numpy
+  asks for 2 MiB transparent huge pages on large arrays, so a KV cache written at a few
+  positions per layer was resident in full (94 MB for SmolLM2 at 2048 tokens)."""
+  n = int(np.prod(shape))
+  return np.frombuffer(mmap.mmap(-1, max(4 * n, 1)), np.float32, count=n).reshape(shape)
 
 
 @dataclasses.dataclass
@@ -466,7 +475,7 @@ class HostDecoder:
       raise HostOpError(f"a KV cache needs batch >= 1 and max_seq_len >= 1, got {batch}, "
                         f"{max_seq_len}")
     shape = (self.n_layers, int(batch), int(max_seq_len), self.n_kv_heads, self.head_dim)
-    return HostKVCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+    return HostKVCache(_lazy_zeros(shape), _lazy_zeros(shape))
 
   # ------------------------------------------------------------------------- sparsity
   def enable_gated(self, cuts) -> None:

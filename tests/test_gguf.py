@@ -121,7 +121,7 @@ def test_f16_tensors_and_directory(tmp_path):
 def test_missing_tensor(tmp_path):
   hf = tiny_models.make_hf_llama(seed=2, layers=1)
   full = tiny_models.write_gguf(hf, tmp_path / "full.gguf")
-  reader, _ = open_gguf(full)
+  reader = gguf.GGUFReader(str(full))  # Its fields carry the value types GGUFWriter needs.
   # Rewrite the file without blk.0.ffn_up.weight.
   path = tmp_path / "missing.gguf"
   w = gguf.GGUFWriter(str(path), "llama")
@@ -150,7 +150,7 @@ def _tiny_with(tmp_path, name, **overrides):
   """The tiny GGUF with some llama.* metadata replaced (written field by field)."""
   hf = tiny_models.make_hf_llama(seed=9, layers=1)
   full = tiny_models.write_gguf(hf, tmp_path / "base.gguf")
-  reader, _ = open_gguf(full)
+  reader = gguf.GGUFReader(str(full))  # Its fields carry the value types GGUFWriter needs.
   path = tmp_path / name
   w = gguf.GGUFWriter(str(path), "llama")
   for key, field in reader.fields.items():
@@ -198,3 +198,40 @@ def test_fifo_is_refused(tmp_path):
   os.mkfifo(path)
   with pytest.raises(GGUFError, match="not a regular file"):
     open_gguf(path)
+
+
+def _same_as_gguf_reader(path):
+  """pijax's GGUFFile against gguf-py's GGUFReader (the oracle) on one file: every metadata
+  value with its type, every tensor's name, type, shape, offset and bytes."""
+  from pijax.formats.gguf import GGUFFile
+  ours, theirs = GGUFFile(str(path)), gguf.GGUFReader(str(path))
+  want = {}
+  for key, field in theirs.fields.items():
+    if key.startswith("GGUF."):  # The reader's own header pseudo-keys.
+      continue
+    value = field.contents()
+    want[key] = value.item() if isinstance(value, np.generic) else value
+    vtype, etype, n = ours.value_types[key]
+    assert vtype == field.types[0] and (etype is None or etype == field.types[-1]), key
+  assert ours.metadata.keys() == want.keys()
+  for key, value in want.items():
+    assert type(ours.metadata[key]) is type(value) and ours.metadata[key] == value, key
+  assert len(ours.tensors) == len(theirs.tensors) > 0
+  for a, b in zip(ours.tensors, theirs.tensors):
+    assert (a.name, a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == \
+        (b.name, b.tensor_type, b.n_elements, b.n_bytes, b.data_offset)
+    assert np.array_equal(a.shape, b.shape)
+    assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+    assert np.array_equal(a.data, b.data) and not a.data.flags.writeable
+
+
+def test_header_reader_equals_gguf_reader_on_smollm2(smollm2_path):
+  _same_as_gguf_reader(smollm2_path)
+
+
+def test_header_reader_equals_gguf_reader_on_tiny_families(tmp_path):
+  import tiny_families
+  for family in tiny_families.FAMILIES:  # Mixed block types: Q8_0 matrices, F32 norms/biases.
+    model = tiny_families.make_hf(family, seed=1)
+    _same_as_gguf_reader(tiny_families.write_gguf(model, family, tmp_path / f"{family}.gguf",
+                                                  qtype="Q8_0"))

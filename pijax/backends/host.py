@@ -104,6 +104,8 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
       if not m.all_finite():  # The f16 scales (codes are integers), checked in place.
         raise GGUFError(f"{path}: tensor {t.name!r} holds NaN or inf values; the file is "
                         "corrupt (re-download or re-convert it).")
+      if kind not in qmatmul.RAW_KINDS:  # Copied out of the map: its pages may go.
+        reader.release_pages(t)
       return m
     if weights == WEIGHTS_GGUF:
       requantized[t.tensor_type.name] = requantized.get(t.tensor_type.name, 0) + 1
@@ -142,7 +144,7 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
     print(f"pijax: {path}: no host kernel for "
           f"{', '.join(f'{n} {k}' for k, n in sorted(requantized.items()))} tensor(s); "
           "re-quantized them to Q8_0 at load.", file=sys.stderr)
-  return decoder_lib.HostDecoder(
+  dec = decoder_lib.HostDecoder(
       embedding, layers, f32("final_norm"), head, eps=config.rms_norm_eps,
       family=config.ffn_family, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
       head_dim=config.head_dim, rope_theta=config.rope_theta, rope_dim=config.rope_dim,
@@ -151,6 +153,10 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
       windows=[config.sliding_window if config.is_local(i) else 0
                for i in range(config.n_layers)],
       attn_scale=config.attention_scale, embedding_scale=config.embedding_scale, dot=dot)
+  # The copies are made: the file's pages read so far leave the resident set (blocks kept
+  # as views of the map fault back in as decoding reads them).
+  reader.release_pages()
+  return dec
 
 
 @flax.struct.dataclass

@@ -1,10 +1,11 @@
-"""Opening and validating GGUF files (llama.cpp's format) with the `gguf` package.
+"""Opening and validating GGUF files (llama.cpp's format; types and sizes from the `gguf` package).
 
 A GGUF file is a header, key/value metadata, tensor infos, then tensor data at
-`general.alignment`-aligned offsets. `open_gguf` first walks the header itself, checking every
-count, length, type and tensor extent against the file (`gguf.GGUFReader` trusts them: a lying
-size field makes it loop or allocate without bound), so that a bad file gives one `GGUFError`
-that names it and what is wrong.
+`general.alignment`-aligned offsets. `open_gguf` reads the header itself (`GGUFFile`), checking
+every count, length, type and tensor extent against the file before it allocates anything a
+size field asks for, so that a bad file gives one `GGUFError` that names it and what is wrong.
+(`gguf.GGUFReader` trusts those fields, a lying one made it loop or allocate without bound, and
+keeps a numpy view per metadata element: hundreds of MB for a large vocabulary.)
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
@@ -48,14 +49,13 @@ def _check_path(path: str | os.PathLike[str]) -> str:
   return path
 
 
-# What a header may declare. gguf.GGUFReader trusts every count and length it reads: a lying
-# array length makes it loop (and allocate one numpy view per element) past the end of the file,
-# so `_scan_header` checks the whole layout against the file's size before the reader runs.
+# What a header may declare: every count and length is checked against these and the file's
+# size before anything is allocated.
 _SUPPORTED_VERSIONS = (2, 3)
 _MAX_DIMS = 4  # GGML_MAX_DIMS.
 _MAX_INT64 = (1 << 63) - 1  # ggml counts elements and bytes in int64.
 # Elements of one metadata array, and of all of them: 16x the largest real vocabulary (262144
-# tokens). The reader keeps ~100 bytes of numpy view per element, so this bounds its memory.
+# tokens). Each element becomes a Python object (~30-80 bytes): this bounds their memory.
 _MAX_ARRAY_LEN = 1 << 22
 _MAX_ARRAY_TOTAL = 1 << 23
 _MAX_ENTRIES = 1 << 20  # Metadata entries, and tensors (real files: ~50 and a few thousand).
@@ -65,6 +65,13 @@ _STRING = int(gguf.GGUFValueType.STRING)
 _ARRAY = int(gguf.GGUFValueType.ARRAY)
 _UINT32 = int(gguf.GGUFValueType.UINT32)
 _SCALAR_SIZES = {int(t): np.dtype(d).itemsize for t, d in gguf.GGUFReader.gguf_scalar_to_np.items()}
+_SCALAR_DTYPES = {int(t): np.dtype(d).newbyteorder("<")
+                  for t, d in gguf.GGUFReader.gguf_scalar_to_np.items()}
+_VT = gguf.GGUFValueType
+_SCALAR_STRUCTS = {int(t): struct.Struct(f) for t, f in (
+    (_VT.UINT8, "<B"), (_VT.INT8, "<b"), (_VT.UINT16, "<H"), (_VT.INT16, "<h"), (_VT.UINT32, "<I"),
+    (_VT.INT32, "<i"), (_VT.FLOAT32, "<f"), (_VT.BOOL, "<?"), (_VT.UINT64, "<Q"),
+    (_VT.INT64, "<q"), (_VT.FLOAT64, "<d"))}
 _TYPE_NAMES = {int(t): t.name for t in gguf.GGUFValueType}
 _QUANT_SIZES = {int(t): (t.name, *sizes) for t, sizes in gguf.GGML_QUANT_SIZES.items()}
 _U32 = struct.Struct("<I")
@@ -130,15 +137,16 @@ class _HeaderScanner:
     except UnicodeDecodeError:
       raise self.corrupt(f"{what} {_short(raw)} is not UTF-8", at) from None
 
-  def value(self, vtype: int, key: str, at: int) -> int:
-    """Skips one metadata value of type `vtype`; returns the number of array elements."""
+  def value(self, vtype: int, key: str, at: int) -> tuple[Any, int | None, int]:
+    """Reads one metadata value of type `vtype`: (value, array element type or None, number
+    of array elements). Scalars are Python values, arrays lists, strings str (UTF-8)."""
     if vtype in _SCALAR_SIZES:
       self.need(_SCALAR_SIZES[vtype], f"the value of {_short(key)}")
+      (value,) = _SCALAR_STRUCTS[vtype].unpack_from(self.buf, self.pos)
       self.pos += _SCALAR_SIZES[vtype]
-      return 0
+      return value, None, 0
     if vtype == _STRING:
-      self.string(f"the string value of {_short(key)}")
-      return 0
+      return self.utf8(f"the string value of {_short(key)}", key), None, 0
     if vtype != _ARRAY:
       raise self.corrupt(f"metadata {_short(key)} has unknown value type {vtype}", at)
     at = self.pos
@@ -153,16 +161,27 @@ class _HeaderScanner:
                          f"{_MAX_ARRAY_LEN}, far beyond any real vocabulary)", at)
     if etype == _STRING:  # Every string takes at least its 8-byte length.
       self.need(8 * n, f"array {_short(key)} of {n} strings")
-      for i in range(n):
-        self.string(f"string {i} of array {_short(key)}")
+      values = [self.utf8(f"string {i} of array {_short(key)}", key) for i in range(n)]
     else:
       self.need(_SCALAR_SIZES[etype] * n,
                 f"array {_short(key)} of {n} {_TYPE_NAMES[etype]} elements")
+      values = np.frombuffer(self.buf, _SCALAR_DTYPES[etype], n, self.pos).tolist()
       self.pos += _SCALAR_SIZES[etype] * n
-    return n
+    return values, etype, n
 
-  def scan(self) -> None:
-    """Raises GGUFError at the first field that does not fit the file or the format."""
+  def utf8(self, what: str, key: str) -> str:
+    raw = self.string(what, keep=True)
+    try:
+      return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+      raise GGUFError(f"{self.path}: corrupt metadata value for {_short(key)} "
+                      f"({' '.join(str(err).split())}); re-convert the file.") from None
+
+  def scan(self) -> tuple[dict[str, Any], dict[str, tuple[int, int | None, int]], list[Any],
+                          int]:
+    """Reads the header: (metadata, {key: (value type, element type, length)}, tensor infos
+    [(name, offset in the data section, bytes, dims, type name)], data section start).
+    Raises GGUFError at the first field that does not fit the file or the format."""
     self.pos = 4  # The magic was checked by _check_path.
     version = self.u32("the version")
     if version not in _SUPPORTED_VERSIONS:
@@ -186,17 +205,19 @@ class _HeaderScanner:
         raise self.corrupt(f"{count} {what} (more than {_MAX_ENTRIES})", at)
 
     alignment = gguf.GGUF_DEFAULT_ALIGNMENT
-    keys: set[str] = set()
+    metadata: dict[str, Any] = {}
+    types: dict[str, tuple[int, int | None, int]] = {}
     n_elements = 0
     for i in range(n_kv):
       at = self.pos
       key = self.text(f"metadata key {i}")
-      if key in keys:
+      if key in metadata:
         raise self.corrupt(f"metadata key {_short(key)} appears twice", at)
-      keys.add(key)
       vtype = self.u32(f"the value type of {_short(key)}")
       value_at = self.pos
-      n_elements += self.value(vtype, key, at)
+      metadata[key], etype, n = self.value(vtype, key, at)
+      types[key] = (vtype, etype, n)
+      n_elements += n
       if n_elements > _MAX_ARRAY_TOTAL:
         raise self.corrupt(f"the metadata arrays hold more than {_MAX_ARRAY_TOTAL} elements", at)
       if key == "general.alignment":
@@ -244,16 +265,82 @@ class _HeaderScanner:
         raise GGUFError(f"{self.path}: truncated or corrupt: tensor {_short(name)} ({type_name} "
                         f"{dims}) ends at byte {end} but the file has {self.size} bytes; "
                         f"{_REDO}.")
+    return metadata, types, tensors, data_start
 
 
-def _scan_header(path: str) -> None:
-  """Checks the layout of a GGUF header against the file (see `_HeaderScanner`)."""
-  try:
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-      _HeaderScanner(path, buf).scan()
-  except OSError as err:
-    raise GGUFError(f"{path}: cannot read the file ({err.strerror or err}); check its "
-                    "permissions.") from None
+class TensorInfo(NamedTuple):
+  """One tensor of a GGUF file (the fields pijax uses of `gguf.ReaderTensor`).
+
+  shape: u64[n_dims], ggml order (ne0, the contiguous dimension, first); data: a read-only view
+  of the memory map in numpy order: the element dtype for F32/F16/F64/I8-I64, else u8 rows of
+  blocks (`gguf.quant_shape_to_byte_shape`)."""
+  name: str
+  tensor_type: gguf.GGMLQuantizationType
+  shape: np.ndarray
+  n_elements: int
+  n_bytes: int
+  data_offset: int
+  data: np.ndarray
+
+
+_PLAIN_DTYPES = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
+                 gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
+                 gguf.GGMLQuantizationType.I16: np.int16, gguf.GGMLQuantizationType.I32: np.int32,
+                 gguf.GGMLQuantizationType.I64: np.int64}
+
+
+class GGUFFile:
+  """A GGUF file read by pijax's own header reader: metadata as Python values, tensors as
+  views of one read-only memory map. Unlike `gguf.GGUFReader` it keeps no numpy view per
+  metadata element (~100 bytes each: ~170 MB for SmolLM2's 49k tokens + 49k merges, ~700 MB
+  for Gemma 3's 262k tokens) and trusts no size field (see `_HeaderScanner`).
+
+  Attributes:
+    path: the file.
+    metadata: {key: int | float | bool | str | list}.
+    value_types: {key: (GGUF value type, array element type or None, array length)}.
+    tensors: [TensorInfo] in file order.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    try:
+      with open(path, "rb") as f:
+        self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as err:
+      raise GGUFError(f"{path}: cannot read the file ({err.strerror or err}); check its "
+                      "permissions.") from None
+    self.metadata, self.value_types, infos, data_start = _HeaderScanner(path, self._map).scan()
+    data = np.frombuffer(self._map, np.uint8)  # Read-only views of the map.
+    self.tensors = []
+    for name, offset, n_bytes, dims, type_name in infos:
+      ttype = gguf.GGMLQuantizationType[type_name]
+      n_elements = int(np.prod(dims, dtype=object)) if dims else 1
+      np_dims = tuple(reversed(dims))
+      start = data_start + offset
+      dtype = _PLAIN_DTYPES.get(ttype)
+      if dtype is None:
+        view = data[start:start + n_bytes]
+        if n_bytes:
+          np_dims = gguf.quant_shape_to_byte_shape(np_dims, ttype)
+      else:
+        view = data[start:start + n_bytes].view(dtype)
+      self.tensors.append(TensorInfo(name, ttype, np.array(dims, dtype=np.uint64), n_elements,
+                                     n_bytes, start, view.reshape(np_dims)))
+
+  def release_pages(self, tensor: TensorInfo | None = None) -> None:
+    """Drops the file's pages (or those of `tensor`'s data) from this process's resident set:
+    MADV_DONTNEED on the read-only shared map loses nothing, a later read faults the page
+    back in from the page cache. For after a load has copied what it keeps out of the map."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+      return
+    if tensor is None:
+      self._map.madvise(mmap.MADV_DONTNEED)
+      return
+    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(len(self._map), tensor.data_offset + tensor.n_bytes)
+    if end > start:
+      self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 # Value types of the standard keys pijax reads (llama.cpp's docs/gguf.md): a file storing
@@ -307,98 +394,61 @@ _ARCH_KEY_KINDS = {  # `{general.architecture}.` + key.
 }
 
 
-def _check_key_types(path: str, reader: gguf.GGUFReader, n_tensors: int) -> None:
+def _check_key_types(gf: GGUFFile) -> None:
   """GGUFError when a standard key holds a value of the wrong type, or when `block_count`
   claims more layers than the file has tensors (loaders loop over the layers)."""
   kinds = dict(_KEY_KINDS)
-  arch_field = reader.fields.get("general.architecture")
-  if arch_field is not None and arch_field.types == [gguf.GGUFValueType.STRING]:
-    arch = bytes(arch_field.parts[-1]).decode("utf-8", errors="replace")
+  arch = gf.metadata.get("general.architecture")
+  if isinstance(arch, str):
     kinds.update({f"{arch}.{key}": kind for key, kind in _ARCH_KEY_KINDS.items()})
   for key, kind in kinds.items():
-    field = reader.fields.get(key)
-    if field is None:
+    if key not in gf.value_types:
       continue
     scalars, elements = _KINDS[kind]
-    types = [int(t) for t in field.types]
-    if types[0] == _ARRAY:  # An empty array has no element type: any array kind admits it.
-      ok = bool(elements) and (len(types) == 1 or types[-1] in elements)
-      got = f"an array of {_TYPE_NAMES.get(types[-1], types[-1])}" if len(types) > 1 \
-          else "an empty array"
+    vtype, etype, n = gf.value_types[key]
+    if vtype == _ARRAY:  # An empty array has no element: any array kind admits it.
+      ok = bool(elements) and (n == 0 or etype in elements)
+      got = f"an array of {_TYPE_NAMES.get(etype, etype)}" if n else "an empty array"
     else:
-      ok, got = types[0] in scalars, f"a {_TYPE_NAMES.get(types[0], types[0])} value"
+      ok, got = vtype in scalars, f"a {_TYPE_NAMES.get(vtype, vtype)} value"
     if not ok:
-      raise GGUFError(f"{path}: metadata {key!r} holds {got} where GGUF specifies {kind}; "
+      raise GGUFError(f"{gf.path}: metadata {key!r} holds {got} where GGUF specifies {kind}; "
                       "the file is corrupt, re-convert it.")
-  if arch_field is not None and arch_field.types == [gguf.GGUFValueType.STRING]:
-    field = reader.fields.get(f"{arch}.block_count")
-    if field is not None and int(field.parts[-1][0]) > n_tensors:
-      raise GGUFError(f"{path}: metadata {arch}.block_count={int(field.parts[-1][0])} but the "
-                      f"file holds only {n_tensors} tensors; the file is corrupt, re-convert it.")
+  blocks = gf.metadata.get(f"{arch}.block_count") if isinstance(arch, str) else None
+  if isinstance(blocks, int) and blocks > len(gf.tensors):
+    raise GGUFError(f"{gf.path}: metadata {arch}.block_count={blocks} but the file holds only "
+                    f"{len(gf.tensors)} tensors; the file is corrupt, re-convert it.")
 
 
-def _field_value(field: Any) -> Any:
-  """Python value of one GGUF metadata field (scalars unwrapped, arrays as lists)."""
-  value = field.contents()
-  if isinstance(value, np.generic):
-    value = value.item()
-  return value
-
-
-def open_gguf(path: str | os.PathLike[str]) -> tuple[gguf.GGUFReader, dict[str, Any]]:
+def open_gguf(path: str | os.PathLike[str]) -> tuple[GGUFFile, dict[str, Any]]:
   """Opens a GGUF file memory-mapped and validates its layout.
 
   Args:
     path: the .gguf file.
 
   Returns:
-    (reader, metadata): the `gguf.GGUFReader` (tensors are memory-mapped views, nothing is
-    read yet) and the metadata as a plain dict {key: int | float | bool | str | list}.
+    (file, metadata): the `GGUFFile` (tensors are memory-mapped views, nothing is read yet)
+    and a copy of its metadata as a plain dict {key: int | float | bool | str | list}.
 
   Raises:
     GGUFError: missing file, not a GGUF, truncated or corrupt file, bad `general.alignment`,
-      or a tensor whose data lies outside the file.
+      a standard key of the wrong type, or a tensor whose data lies outside the file.
   """
   path = _check_path(path)
   st = os.stat(path)
   key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino)
   if _LAST_OPENED and _LAST_OPENED[0] == key:  # Loading reads one file several times.
-    reader, metadata = _LAST_OPENED[1]
-    return reader, dict(metadata)
-  reader, metadata = _open_uncached(path)
-  _LAST_OPENED[:] = [key, (reader, metadata)]
-  return reader, dict(metadata)
+    gf = _LAST_OPENED[1]
+    return gf, dict(gf.metadata)
+  gf = GGUFFile(path)
+  _check_key_types(gf)
+  _LAST_OPENED[:] = [key, gf]
+  return gf, dict(gf.metadata)
 
 
-# [(realpath, size, mtime_ns, inode), (reader, metadata)] of the last file opened: a load
-# opens the file from the config reader, the weight loader and the host builder, and
-# gguf.GGUFReader parses every metadata value each time (seconds and hundreds of MB for a
-# 262k-token vocabulary).
+# [(realpath, size, mtime_ns, inode), GGUFFile] of the last file opened: a load opens the file
+# from the config reader, the weight loader and the host builder.
 _LAST_OPENED: list[Any] = []
-
-
-def _open_uncached(path: str) -> tuple[gguf.GGUFReader, dict[str, Any]]:
-  """`open_gguf` without the cache."""
-  _scan_header(path)  # Every size field checked before the reader trusts it.
-  try:
-    reader = gguf.GGUFReader(path, "r")
-  except Exception as err:  # A file changed since the scan, or a case the scan misses.
-    raise GGUFError(f"{path}: corrupt or truncated GGUF ({type(err).__name__}: "
-                    f"{' '.join(str(err).split())}); {_REDO}.") from None
-  _check_key_types(path, reader, len(reader.tensors))
-  metadata = {}
-  for key, field in reader.fields.items():
-    try:
-      metadata[key] = _field_value(field)
-    except Exception as err:  # UnicodeDecodeError: a string value that is not UTF-8.
-      raise GGUFError(f"{path}: corrupt metadata value for {_short(key)} "
-                      f"({' '.join(str(err).split())}); re-convert the file.") from None
-  # The reader's per-element views of large arrays (numpy views per token) are not needed once
-  # the values are read: dropping them frees most of the reader's memory.
-  for key, field in list(reader.fields.items()):
-    if len(field.data) > 1024:
-      reader.fields[key] = field._replace(parts=[], data=[])
-  return reader, metadata
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
