@@ -34,6 +34,8 @@ Layout per STYLE.md: numba kernels -> QMatrix (validates, dispatches) -> NumPy r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numba
 import numpy as np
 
@@ -511,7 +513,11 @@ class QMatrix:
     return f"QMatrix({self.kind}, {self.shape[0]}x{self.shape[1]}, {self.nbytes / 1e6:.2f} MB)"
 
 
-def from_gguf_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> QMatrix:
+_COPY_CHUNK_BYTES = 16 << 20
+
+
+def from_gguf_blocks(kind: str, data: np.ndarray, shape: tuple[int, int],
+                     copied: Callable[[int, int], None] | None = None) -> QMatrix:
   """A QMatrix from a GGUF tensor's raw block bytes (no re-quantization: exactly the file's values).
 
   Args:
@@ -521,6 +527,8 @@ def from_gguf_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> QMa
       its bytes. For the raw kinds the QMatrix keeps a view of it (no copy: a memory map stays
       a memory map); q4_1/q8_0 are split into codes and f32 scales (copies).
     shape: (n, D) in NumPy order ([out, in]).
+    copied: for q4_1/q8_0, called with (lo, hi) after rows [lo, hi) are copied (~16 MB at a
+      time), e.g. to drop those rows' pages of the memory map.
 
   Raises:
     HostOpError: an unknown kind, a size that does not match the format, D not a multiple of
@@ -544,13 +552,23 @@ def from_gguf_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> QMa
   if kind in RAW_KINDS:
     return QMatrix(kind, (raw.reshape(n, nb * nbytes),))
   blocks = raw.reshape(n, nb, nbytes)
-  d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16).reshape(n, nb).astype(np.float32)
+  d = np.empty((n, nb), np.float32)
   if kind == Q4_1:
-    m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16).reshape(n, nb).astype(np.float32)
-    qs = np.ascontiguousarray(blocks[:, :, 4:20]).reshape(n, nb * 16)
-    return QMatrix(Q4_1, (qs, d, m))
-  q = np.ascontiguousarray(blocks[:, :, 2:34]).view(np.int8).reshape(n, dim)
-  return QMatrix(Q8_0, (q, d))
+    arrays = (np.empty((n, nb * 16), np.uint8), d, np.empty((n, nb), np.float32))
+  else:
+    arrays = (np.empty((n, dim), np.int8), d)
+  step = max(1, _COPY_CHUNK_BYTES // (nb * nbytes))
+  for lo in range(0, n, step):  # In row chunks, so a caller can drop each chunk's source pages.
+    b = blocks[lo:lo + step]
+    d[lo:lo + step] = b[:, :, 0:2].copy().view(np.float16).reshape(len(b), nb)
+    if kind == Q4_1:
+      arrays[2][lo:lo + step] = b[:, :, 2:4].copy().view(np.float16).reshape(len(b), nb)
+      arrays[0][lo:lo + step] = b[:, :, 4:20].reshape(len(b), nb * 16)
+    else:
+      arrays[0][lo:lo + step] = b[:, :, 2:34].reshape(len(b), dim).view(np.int8)
+    if copied is not None:
+      copied(lo, lo + len(b))
+  return QMatrix(kind, arrays)
 
 
 def stack_rows(mats: list[QMatrix]) -> QMatrix:

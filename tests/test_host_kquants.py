@@ -301,3 +301,26 @@ def test_half_conversions_exact_on_all_bit_patterns():
     np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
   want_bf = (bits.astype(np.uint32) << 16).view(np.float32)
   np.testing.assert_array_equal(outs[3].view(np.uint32), want_bf.view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_split_kinds_copied_in_chunks_match_gguf(kind, monkeypatch):
+  """Q4_1/Q8_0 are split into codes and f32 scales row chunk by row chunk (so a load can drop
+  each chunk's file pages): gguf's values on random blocks with a chunk smaller than the
+  matrix, and `copied` reports every row exactly once, in order."""
+  rng = np.random.default_rng(7)
+  n, dim = 37, 96
+  nbytes = {"q4_1": 20, "q8_0": 34}[kind]
+  raw = rng.integers(0, 256, (n, dim // 32, nbytes), dtype=np.uint8)
+  for at in ((0, 2) if kind == "q4_1" else (0,)):
+    scale = (rng.standard_normal((n, dim // 32, 1)) * 0.01).astype(np.float16)
+    scale[scale == 0] = np.float16(0.01)
+    raw[:, :, at:at + 2] = scale.view(np.uint8)
+  data = raw.reshape(n, -1)
+  monkeypatch.setattr(qmatmul, "_COPY_CHUNK_BYTES", 5 * data.shape[1])  # 5 rows per chunk.
+  seen = []
+  w = qmatmul.from_gguf_blocks(kind.upper(), data, (n, dim),
+                               copied=lambda lo, hi: seen.append((lo, hi)))
+  assert seen == [(lo, min(lo + 5, n)) for lo in range(0, n, 5)]
+  want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind.upper()]).reshape(n, dim)
+  np.testing.assert_array_equal(w.rows_f32(np.arange(n)), want)

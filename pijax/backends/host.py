@@ -99,13 +99,17 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
     kind = _tensor_kind(t)
     if kind is not None and (weights == WEIGHTS_GGUF or kind == qmatmul.Q8_0) and \
         shape[1] % qmatmul.block_size(kind) == 0:
+      first = 0 if rows is None else rows[0]
       data = t.data if rows is None else t.data[rows[0]:rows[1]]
-      m = qmatmul.from_gguf_blocks(kind, data, shape)
+      row_bytes = t.n_bytes // t.data.shape[0]
+
+      def copied(lo: int, hi: int) -> None:  # Rows copied out of the map: their pages may go.
+        reader.release_pages(t.data_offset + (first + lo) * row_bytes, (hi - lo) * row_bytes)
+
+      m = qmatmul.from_gguf_blocks(kind, data, shape, copied=copied)
       if not m.all_finite():  # The f16 scales (codes are integers), checked in place.
         raise GGUFError(f"{path}: tensor {t.name!r} holds NaN or inf values; the file is "
                         "corrupt (re-download or re-convert it).")
-      if kind not in qmatmul.RAW_KINDS:  # Copied out of the map: its pages may go.
-        reader.release_pages(t)
       return m
     if weights == WEIGHTS_GGUF:
       requantized[t.tensor_type.name] = requantized.get(t.tensor_type.name, 0) + 1
@@ -117,7 +121,11 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
     if len(mats) == 1:
       return mats[0]
     if len({m.kind for m in mats}) == 1:
-      return qmatmul.stack_rows(mats)
+      stacked = qmatmul.stack_rows(mats)  # A copy: the sources' file pages may go.
+      for role in roles:
+        t = tensors[plan[role, layer][0].name]
+        reader.release_pages(t.data_offset, t.n_bytes)
+      return stacked
     return qconcat.RowConcat(mats)
 
   def extra(role: str, layer: int) -> np.ndarray | None:
@@ -155,7 +163,7 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
       attn_scale=config.attention_scale, embedding_scale=config.embedding_scale, dot=dot)
   # The copies are made: the file's pages read so far leave the resident set (blocks kept
   # as views of the map fault back in as decoding reads them).
-  reader.release_pages()
+  reader.release_pages()  # The f32 norms and re-quantized tensors were read too.
   return dec
 
 

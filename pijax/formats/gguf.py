@@ -328,17 +328,15 @@ class GGUFFile:
       self.tensors.append(TensorInfo(name, ttype, np.array(dims, dtype=np.uint64), n_elements,
                                      n_bytes, start, view.reshape(np_dims)))
 
-  def release_pages(self, tensor: TensorInfo | None = None) -> None:
-    """Drops the file's pages (or those of `tensor`'s data) from this process's resident set:
-    MADV_DONTNEED on the read-only shared map loses nothing, a later read faults the page
-    back in from the page cache. For after a load has copied what it keeps out of the map."""
+  def release_pages(self, offset: int = 0, n_bytes: int | None = None) -> None:
+    """Drops the file's pages in [offset, offset + n_bytes) (all of them by default) from this
+    process's resident set: MADV_DONTNEED on the read-only shared map loses nothing, a later
+    read faults the page back in from the page cache. For after a load has copied what it
+    keeps out of the map."""
     if not hasattr(mmap, "MADV_DONTNEED"):
       return
-    if tensor is None:
-      self._map.madvise(mmap.MADV_DONTNEED)
-      return
-    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-    end = min(len(self._map), tensor.data_offset + tensor.n_bytes)
+    start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+    end = len(self._map) if n_bytes is None else min(len(self._map), offset + n_bytes)
     if end > start:
       self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
