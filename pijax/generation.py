@@ -68,7 +68,11 @@ class TokenStep:
 
 
 class StopStrings:
-  """Cuts streamed text at the earliest stop string, never emitting any part of one.
+  """Cuts streamed text at the first stop string to complete, never emitting any part of one.
+
+  "First to complete" is where token-by-token generation meets a stop, so the cut is the same
+  however the text is split into pieces: in "aaba" with stops ("b", "aba") "b" completes
+  first and the text is "aa" (of two stops completing together, the one that starts first).
 
   `push(piece)` returns the text that is safe to emit: text that is neither part of a match nor
   a suffix that could still grow into one (held back until the next piece decides). After a
@@ -89,9 +93,9 @@ class StopStrings:
       return piece
     text = self._held + piece
     hits = [(text.find(s), s) for s in self.stops]
-    hits = [(at, s) for at, s in hits if at >= 0]
+    hits = [(at + len(s), at, s) for at, s in hits if at >= 0]  # (end, start, stop)
     if hits:
-      at, self.matched = min(hits)
+      _, at, self.matched = min(hits)
       self.stopped = True
       self._held = ""
       return text[:at]
@@ -114,7 +118,7 @@ class TextOut:
   """Generated token ids -> the text that is safe to emit, one id at a time.
 
   Detokenizes incrementally (never half a UTF-8 character), drops end-of-turn / stop tokens,
-  and cuts at the earliest stop string (`StopStrings`). `push` per id, `finish` once at the
+  and cuts at the first stop string to complete (`StopStrings`). `push` per id, `finish` once at the
   end; `stopped` says a stop string ended the text.
   """
 

@@ -12,8 +12,10 @@ from pijax.sampling import apply_presence_frequency_penalty, make_sampling_param
 
 
 def _reference_cut(text, stops):
-  hits = [text.find(s) for s in stops if s and s in text]
-  return (text[:min(hits)], True) if hits else (text, False)
+  """Where token-by-token generation stops: at the first stop string to complete (of two
+  completing together, the one that starts first)."""
+  ends = [(text.find(s) + len(s), text.find(s)) for s in stops if s and s in text]
+  return (text[:min(ends)[1]], True) if ends else (text, False)
 
 
 @settings(max_examples=300, deadline=None)
@@ -33,6 +35,17 @@ def test_stop_strings_match_a_reference_for_any_split(text, stops, cuts):
   expected, stopped = _reference_cut(text, stops)
   assert "".join(out) == expected
   assert matcher.stopped == stopped
+
+
+@pytest.mark.parametrize("pieces", [["aaba"], ["aab", "a"], ["a", "a", "b", "a"]])
+def test_the_first_stop_to_complete_wins_however_the_text_is_split(pieces):
+  """Found by hypothesis in CI: "aab" | "a" stopped at "b" ("aa") while "aaba" in one piece
+  stopped at the earlier-starting "aba" ("a"). Generation meets "b" first: "aa" both ways."""
+  m = StopStrings(["b", "aba"])
+  out = "".join(m.push(p) for p in pieces if not m.stopped) + m.flush()
+  assert (out, m.stopped, m.matched) == ("aa", True, "b")
+  m = StopStrings(["b", "ab"])  # Both complete at the same character: the longer one cuts.
+  assert m.push("cab") == "c" and m.matched == "ab"
 
 
 def test_stop_string_is_held_back_until_decided():
