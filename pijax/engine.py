@@ -663,16 +663,17 @@ def _check_kv_fits(config: Any, seq: int, path: str) -> None:
                       "--max_seq_len (e.g. 4096).")
 
 
-def _file_stamp(path: str) -> tuple[int, int] | None:
+def _file_stamp(path: str) -> tuple[int, int, int] | None:
   try:
     st = os.stat(path)
   except OSError:
     return None
-  return st.st_size, st.st_mtime_ns
+  return st.st_size, st.st_mtime_ns, st.st_ino
 
 
-def check_unchanged(path: str, stamp: tuple[int, int] | None) -> None:
-  """Raises GGUFError when the model file changed (size or mtime) since `load` read its
+def check_unchanged(path: str, stamp: tuple[int, int, int] | None) -> None:
+  """Raises GGUFError when the model file changed (size, mtime or inode: a symlink re-pointed,
+  a file replaced) since `load` read its
   metadata: weights read later (lazily) would not match the config."""
   now = _file_stamp(path)
   if stamp is not None and now is not None and now != stamp:

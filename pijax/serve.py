@@ -9,6 +9,7 @@ Bad flags, a port in use or a model that fails to load: one line on stderr, exit
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -16,10 +17,14 @@ import socket
 import sys
 import threading
 
-from absl import flags
+if __name__ == "__main__":  # Ctrl-C while the imports below run (~1 s): quit, no traceback.
+  signal.signal(signal.SIGINT,
+                lambda *_: (sys.stderr.write("\npijax.serve: interrupted\n"), os._exit(130)))
 
-from pijax import cli
-from pijax import sparse_flags
+from absl import flags  # noqa: E402 (after the handler above)
+
+from pijax import cli  # noqa: E402
+from pijax import sparse_flags  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", "default", "GGUF path, bundle folder, or 'default'.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
@@ -92,6 +97,7 @@ def _quit_now(sig, frame) -> None:
 
 def main(argv: list[str]) -> None:
   del argv
+  signal.signal(signal.SIGINT, signal.default_int_handler)  # Imports done: cli.run reports it.
   try:
     import fastapi  # noqa: F401
     import uvicorn
@@ -125,6 +131,21 @@ def main(argv: list[str]) -> None:
   stopping = threading.Event()
 
   class Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+      # uvicorn turns Ctrl-C / SIGTERM into a graceful shutdown, then raises the signal again
+      # once it is done: SIGTERM then killed the process before the clean-up below ran. The
+      # shutdown is finished here (threads joined, "stopped"), so the signals are not re-raised.
+      if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+      old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+      try:
+        yield
+      finally:
+        for sig, handler in old.items():
+          signal.signal(sig, handler)
+
     def handle_exit(self, sig, frame):
       # Ctrl-C / SIGTERM: end every job now, so open streams close within the grace period.
       stopping.set()
@@ -172,12 +193,16 @@ def main(argv: list[str]) -> None:
     # Another Ctrl-C meanwhile quits at once, without the interpreter's exit (which would abort).
     if threading.current_thread() is threading.main_thread():
       signal.signal(signal.SIGINT, _quit_now)
+      signal.signal(signal.SIGTERM, _quit_now)
     stopping.set()
     loader.join()
     if state.worker is not None:
       state.worker.close()
   if state.error is None:
     sys.stderr.write(f"{PROG}: stopped\n")
+    # Nothing is left to interrupt: a late Ctrl-C must not end the exit by the signal.
+    if threading.current_thread() is threading.main_thread():
+      signal.signal(signal.SIGINT, signal.SIG_IGN)
   if state.error is not None:
     raise ConfigError(f"could not load --model={model_arg}: {state.error}")
 

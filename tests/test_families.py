@@ -129,6 +129,18 @@ class _Tensor:
     self.data = np.asarray(data, np.float32)
 
 
+@pytest.mark.parametrize("extra", [{"rope.freq_base": 1.0},
+                                   {"rope.scaling.yarn_beta_fast": 1e308},
+                                   {"rope.scaling.yarn_beta_slow": 1e308}])
+def test_yarn_values_its_formula_cannot_take_are_one_error(extra):
+  """Found by a tester: theta = 1 divided by log(1) = 0 and a beta of 1e308 took log(0): a
+  ZeroDivisionError / ValueError traceback, now one GGUFError."""
+  meta = _meta("llama", **{"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                           "rope.scaling.original_context_length": 64, **extra})
+  with pytest.raises(GGUFError, match="YaRN RoPE scaling needs"):
+    registry.config_from_metadata(meta, "m.gguf", {})
+
+
 def test_config_parsing_refuses_what_it_cannot_run():
   """Unknown architectures, LongRoPE, bad rope_freqs and bad windows: one GGUFError each."""
   with pytest.raises(GGUFError, match="architecture 'falcon' is not supported"):

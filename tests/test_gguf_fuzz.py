@@ -429,7 +429,25 @@ FOUND = {
                             "'tokenizer.ggml.pre' holds an array of STRING"),
     "ffn_activation_array": (lambda: _retyped("pijax.ffn_activation", [1, 2], V.ARRAY, V.UINT32),
                              "'pijax.ffn_activation' holds an array of UINT32"),
+    # An empty tensor [0, 2**62]: no bytes to bound, and numpy's reshape raised ValueError.
+    "zero_dim_beside_a_huge_one": (lambda: _patched_dims("token_embd.weight", (0, 1 << 62)),
+                                   "impossible dimensions"),
+    # block_count <= the tensor count, but more than the blocks held: read_gguf listed every
+    # layer's tensors before finding one missing (1M layers: 41 s and 3.3 GB).
+    "block_count_beyond_the_blocks": (lambda: _patched("scalar", "llama.block_count", 2),
+                                      "tensors for only 1 blocks"),
 }
+
+
+def _patched_dims(name: str, dims: tuple[int, ...]) -> bytes:
+  """The base file with tensor `name`'s dimensions replaced (same count)."""
+  data, layout = base_file()
+  data = bytearray(data)
+  fields = [f for f in layout.of("dim") if f.name == name]
+  assert len(fields) == len(dims)
+  for field, value in zip(fields, dims):
+    data[field.offset:field.offset + field.size] = value.to_bytes(field.size, "little")
+  return bytes(data)
 
 
 @pytest.mark.parametrize("case", sorted(FOUND))
@@ -462,6 +480,7 @@ def _cli_cases() -> dict[str, bytes]:
       "huge_array_length": _patched("alen", "tokenizer.ggml.token_type", (1 << 63) + 5),
       "huge_tensor_dims": _patched("dim", "token_embd.weight", 1 << 40),
       "huge_kv_count": _patched("count", "kv_count", (1 << 64) - 1),
+      "tensor_count_over_the_cap": _patched("count", "tensor_count", (1 << 16) + 1),
   }
 
 

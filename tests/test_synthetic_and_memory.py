@@ -231,3 +231,24 @@ def test_a_kv_cache_larger_than_ram_is_refused_before_allocation(tmp_path, monke
     pijax.load(str(tmp_path / "t.gguf"), max_seq_len=0)
   assert pijax.load(str(tmp_path / "t.gguf"), max_seq_len=64).max_seq_len == 64
   del path
+
+
+def test_a_symlink_repointed_after_load_is_refused(tmp_path):
+  """Found by a tester: a symlink re-pointed after load to another file of the same size and
+  mtime passed the (size, mtime) check, and the new weights ran under the old config. The
+  stamp now holds the inode too."""
+  import pijax
+  import tiny_models
+  from pijax.errors import GGUFError
+  a = tiny_models.write_random_quantized_gguf(tmp_path / "a.gguf", seed=1)
+  b = tiny_models.write_random_quantized_gguf(tmp_path / "b.gguf", seed=2)
+  assert a.stat().st_size == b.stat().st_size
+  st = a.stat()
+  os.utime(b, ns=(st.st_atime_ns, st.st_mtime_ns))
+  link = tmp_path / "model.gguf"
+  link.symlink_to(a)
+  model = pijax.load(str(link), max_seq_len=32)
+  link.unlink()
+  link.symlink_to(b)
+  with pytest.raises(GGUFError, match="changed since it was loaded"):
+    model.configure_host_weights("gguf")

@@ -259,6 +259,12 @@ def yarn_factors(meta: MetadataReader, theta: float, rope_dim: int
   beta_fast = meta.positive_float("rope.scaling.yarn_beta_fast", 32.0)
   beta_slow = meta.positive_float("rope.scaling.yarn_beta_slow", 1.0)
 
+  turns = [orig / (b * 2 * math.pi) for b in (beta_fast, beta_slow)]
+  if not theta > 1.0 or not all(0.0 < t < math.inf for t in turns):
+    raise GGUFError(f"{meta.path}: YaRN RoPE scaling needs rope.freq_base > 1 and finite "
+                    f"positive yarn_beta_fast / yarn_beta_slow (got {theta}, {beta_fast}, "
+                    f"{beta_slow}); the file is corrupt, re-convert it.")
+
   def dim_of(rotations: float) -> float:  # The dim that turns `rotations` times in `orig`.
     return rope_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 

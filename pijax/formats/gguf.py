@@ -58,7 +58,9 @@ _MAX_INT64 = (1 << 63) - 1  # ggml counts elements and bytes in int64.
 # tokens). Each element becomes a Python object (~30-80 bytes): this bounds their memory.
 _MAX_ARRAY_LEN = 1 << 22
 _MAX_ARRAY_TOTAL = 1 << 23
-_MAX_ENTRIES = 1 << 20  # Metadata entries, and tensors (real files: ~50 and a few thousand).
+# Metadata entries, and tensors: real files hold ~50 and a few thousand (a 126-layer model
+# ~1,200); each tensor costs ~1 KB of Python objects, so a lying count stays cheap.
+_MAX_ENTRIES = 1 << 16
 _MAX_NAME = 1 << 16  # Bytes of a key or tensor name (llama.cpp: tensor names < 64).
 _MAX_STRING = 1 << 24  # Bytes of a string value (chat templates: a few KiB).
 _STRING = int(gguf.GGUFValueType.STRING)
@@ -243,7 +245,12 @@ class _HeaderScanner:
       n = 1
       for d in dims:
         n *= d
-      if any(d > _MAX_INT64 for d in dims) or n > _MAX_INT64:
+      nonzero = 1
+      for d in dims:
+        nonzero *= max(d, 1)
+      # A zero dimension makes an empty tensor, but numpy still refuses shapes whose other
+      # dimensions overflow ([2**62, 0]); no real tensor comes near 2**56 elements.
+      if any(d > _MAX_INT64 for d in dims) or n > _MAX_INT64 or nonzero > 1 << 56:
         raise self.corrupt(f"tensor {_short(name)} has impossible dimensions {dims}", at)
       ttype = self.u32(f"the type of tensor {_short(name)}")
       if ttype not in _QUANT_SIZES:
@@ -413,9 +420,13 @@ def _check_key_types(gf: GGUFFile) -> None:
       raise GGUFError(f"{gf.path}: metadata {key!r} holds {got} where GGUF specifies {kind}; "
                       "the file is corrupt, re-convert it.")
   blocks = gf.metadata.get(f"{arch}.block_count") if isinstance(arch, str) else None
-  if isinstance(blocks, int) and blocks > len(gf.tensors):
-    raise GGUFError(f"{gf.path}: metadata {arch}.block_count={blocks} but the file holds only "
-                    f"{len(gf.tensors)} tensors; the file is corrupt, re-convert it.")
+  if isinstance(blocks, int):
+    # Loaders walk every layer's tensors: a count beyond the blocks the file holds is a lie.
+    held = {t.name.split(".")[1] for t in gf.tensors if t.name.startswith("blk.")}
+    if blocks > len(held):
+      raise GGUFError(f"{gf.path}: metadata {arch}.block_count={blocks} but the file holds "
+                      f"tensors for only {len(held)} blocks (blk.N.*); the file is corrupt, "
+                      "re-convert it.")
 
 
 def open_gguf(path: str | os.PathLike[str]) -> tuple[GGUFFile, dict[str, Any]]:
@@ -434,7 +445,8 @@ def open_gguf(path: str | os.PathLike[str]) -> tuple[GGUFFile, dict[str, Any]]:
   """
   path = _check_path(path)
   st = os.stat(path)
-  key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+  # ctime too: a rewrite in place that restores the mtime (touch -r, rsync -t) still moves it.
+  key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
   if _LAST_OPENED and _LAST_OPENED[0] == key:  # Loading reads one file several times.
     gf = _LAST_OPENED[1]
     return gf, dict(gf.metadata)
@@ -444,7 +456,7 @@ def open_gguf(path: str | os.PathLike[str]) -> tuple[GGUFFile, dict[str, Any]]:
   return gf, dict(gf.metadata)
 
 
-# [(realpath, size, mtime_ns, inode), GGUFFile] of the last file opened: a load opens the file
+# [(realpath, size, mtime_ns, ctime_ns, inode), GGUFFile] of the last file opened: a load opens the file
 # from the config reader, the weight loader and the host builder.
 _LAST_OPENED: list[Any] = []
 
