@@ -673,8 +673,8 @@ def _file_stamp(path: str) -> tuple[int, int, int] | None:
 
 def check_unchanged(path: str, stamp: tuple[int, int, int] | None) -> None:
   """Raises GGUFError when the model file changed (size, mtime or inode: a symlink re-pointed,
-  a file replaced) since `load` read its
-  metadata: weights read later (lazily) would not match the config."""
+  a file replaced) since `load` read its metadata: weights read later (lazily) would not
+  match the config."""
   now = _file_stamp(path)
   if stamp is not None and now is not None and now != stamp:
     raise GGUFError(f"{path}: the file changed since it was loaded; load it again.")

@@ -17,9 +17,19 @@ import socket
 import sys
 import threading
 
+PROG = "pijax.serve"
+
+
+def _quit_now(sig, frame) -> None:
+  """A Ctrl-C while nothing can be unwound cleanly (imports, clean-up): one line, status 130."""
+  del sig, frame
+  sys.stderr.write(f"\n{PROG}: interrupted\n")
+  sys.stderr.flush()
+  os._exit(130)
+
+
 if __name__ == "__main__":  # Ctrl-C while the imports below run (~1 s): quit, no traceback.
-  signal.signal(signal.SIGINT,
-                lambda *_: (sys.stderr.write("\npijax.serve: interrupted\n"), os._exit(130)))
+  signal.signal(signal.SIGINT, _quit_now)
 
 from absl import flags  # noqa: E402 (after the handler above)
 
@@ -41,7 +51,6 @@ _CACHE_SLOTS = flags.DEFINE_integer("cache_slots", 2, "Conversations whose KV ca
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile the prefill and decode steps before "
                             "reporting ready.")
 
-PROG = "pijax.serve"
 
 
 def _model_id(path: str) -> str:
@@ -86,13 +95,6 @@ def _precheck_model(path: str, dtype: str) -> None:
   path = default_model_path() if path == "default" else path
   reader, metadata = open_gguf(path)
   registry.config_from_metadata(metadata, path, {t.name: t for t in reader.tensors})
-
-
-def _quit_now(sig, frame) -> None:
-  del sig, frame
-  sys.stderr.write(f"\n{PROG}: interrupted\n")
-  sys.stderr.flush()
-  os._exit(130)
 
 
 def main(argv: list[str]) -> None:
@@ -183,11 +185,7 @@ def main(argv: list[str]) -> None:
   loader = threading.Thread(target=load, name="pijax-load", daemon=True)
   loader.start()
   try:
-    server.run()
-  except KeyboardInterrupt:
-    if not stopping.is_set():
-      raise
-    # uvicorn re-raises the Ctrl-C it turned into a graceful shutdown: that shutdown is done.
+    server.run()  # Returns after a graceful shutdown (capture_signals does not re-raise).
   finally:
     # Threads still inside XLA or numba when the interpreter exits abort it: stop them first.
     # Another Ctrl-C meanwhile quits at once, without the interpreter's exit (which would abort).
