@@ -50,16 +50,32 @@ def _next_pow2(n: int) -> int:
 # ----------------------------------------------------------------------------- step functions
 # Traceable; the engine jits them with the backend and kv_len static (closed over). With
 # `logprobs`, the sampling steps also return f32[B, V]: log-softmax of the raw logits.
-def prefill_sample(params, state, tokens, length, pos, key, sparams, recent, *, backend, kv_len,
-                   logprobs=False):
-  """Prefill the last chunk + sample the first new token: (token i32[B], state, key, active)."""
-  logits, state, active = backend.prefill(params, state, tokens, length, pos, kv_len=kv_len,
-                                          all_logits=False)
+def _sample(logits, key, sparams, recent, *, logprobs=False):
+  """Samples the next token: (token i32[B], key[, log-probs f32[B, V]])."""
   key, sub = jax.random.split(key)
   token = sampling_lib.sample(logits, sub, sparams, recent)
   if logprobs:
-    return token, state, key, active, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return token, state, key, active
+    return token, key, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return token, key
+
+
+def prefill_logits(params, state, tokens, length, pos, *, backend, kv_len):
+  """Prefill the last chunk: (logits f32[B, V] at each row's last token, state, active)."""
+  return backend.prefill(params, state, tokens, length, pos, kv_len=kv_len, all_logits=False)
+
+
+def decode_logits(params, state, tokens, pos, *, backend, kv_len):
+  """Decode one token: (logits f32[B, V], state, active)."""
+  return backend.decode(params, state, tokens, pos, kv_len=kv_len)
+
+
+def prefill_sample(params, state, tokens, length, pos, key, sparams, recent, *, backend, kv_len,
+                   logprobs=False):
+  """Prefill the last chunk + sample the first new token: (token i32[B], state, key, active)."""
+  logits, state, active = prefill_logits(params, state, tokens, length, pos, backend=backend,
+                                         kv_len=kv_len)
+  token, key, *lp = _sample(logits, key, sparams, recent, logprobs=logprobs)
+  return (token, state, key, active, *lp)
 
 
 def prefill_chunk(params, state, tokens, length, pos, *, backend, kv_len):
@@ -72,12 +88,10 @@ def prefill_chunk(params, state, tokens, length, pos, *, backend, kv_len):
 def decode_sample(params, state, tokens, pos, key, sparams, recent, *, backend, kv_len,
                   logprobs=False):
   """Decode one token + sample the next: (token i32[B], state, key, active)."""
-  logits, state, active = backend.decode(params, state, tokens, pos, kv_len=kv_len)
-  key, sub = jax.random.split(key)
-  token = sampling_lib.sample(logits, sub, sparams, recent)
-  if logprobs:
-    return token, state, key, active, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return token, state, key, active
+  logits, state, active = decode_logits(params, state, tokens, pos, backend=backend,
+                                        kv_len=kv_len)
+  token, key, *lp = _sample(logits, key, sparams, recent, logprobs=logprobs)
+  return (token, state, key, active, *lp)
 
 
 def all_logits(params, state, tokens, length, pos, *, backend, kv_len):
@@ -89,6 +103,28 @@ STEPS = {"prefill": prefill_sample, "prefill_chunk": prefill_chunk, "decode": de
          "logits": all_logits,
          "prefill_logprobs": functools.partial(prefill_sample, logprobs=True),
          "decode_logprobs": functools.partial(decode_sample, logprobs=True)}
+# The sampling steps as (forward pass, its argument count, log-probs) for backends that compile
+# sampling apart (`Backend.sampler_compiler_options`); the other arguments go to `_sample`.
+SPLIT_STEPS = {"prefill": (prefill_logits, 5, False), "decode": (decode_logits, 4, False),
+               "prefill_logprobs": (prefill_logits, 5, True),
+               "decode_logprobs": (decode_logits, 4, True)}
+
+
+class _SplitStep:
+  """A sampling step run as two executables, the forward pass then the sampler, with the
+  fused step's arguments and results."""
+
+  def __init__(self, forward, n_forward: int, sample):
+    self.forward, self.n_forward, self.sample = forward, n_forward, sample
+
+  def __call__(self, *args):
+    logits, state, active = self.forward(*args[:self.n_forward])
+    token, key, *lp = self.sample(logits, *args[self.n_forward:])
+    return (token, state, key, active, *lp)
+
+
+def _shapes(args) -> tuple:
+  return tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(args))
 
 
 class Session:
@@ -274,13 +310,27 @@ class Model:
     args: the step's positional arguments, `self.step_params` first and the state second
     (donated when the backend's state is device memory).
     """
-    key = (kind, kv_len, tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(args)))
+    key = (kind, kv_len, _shapes(args))
     exe = self._compiled.get(key)
     if exe is None:
       start = time.perf_counter()
-      fn = functools.partial(STEPS[kind], backend=self.backend, kv_len=kv_len)
       donate = (1,) if self.backend.donate_state else ()
-      exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+      options = self.backend.sampler_compiler_options
+      if options is not None and kind in SPLIT_STEPS:
+        forward_fn, n, logprobs = SPLIT_STEPS[kind]
+        fn = functools.partial(forward_fn, backend=self.backend, kv_len=kv_len)
+        forward = jax.jit(fn, donate_argnums=donate).lower(*args[:n])
+        logits = forward.out_info[0]
+        sample_key = ("sample", logprobs, _shapes((logits, args[n:])))
+        sample = self._compiled.get(sample_key)  # One sampler for prefill and decode.
+        if sample is None:
+          sample = jax.jit(functools.partial(_sample, logprobs=logprobs)).lower(
+              logits, *args[n:]).compile(options)
+          self._compiled[sample_key] = sample
+        exe = _SplitStep(forward.compile(), n, sample)
+      else:
+        fn = functools.partial(STEPS[kind], backend=self.backend, kv_len=kv_len)
+        exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
       self.compile_s += time.perf_counter() - start
       self._compiled[key] = exe
     return exe

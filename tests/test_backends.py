@@ -213,6 +213,31 @@ def test_host_pass_runs_on_the_calling_thread(tmp_path):
   assert len(threads) >= 2 and set(threads) == {threading.current_thread()}
 
 
+def test_host_sampler_compiled_apart_gives_the_fused_steps_tokens(tmp_path):
+  """The host backend compiles sampling as its own executable (XLA's loop emitters, for memory):
+  the same tokens and log-probs as the fused forward+sample step, one sampler for prefill and
+  decode, and the forward pass still on the calling thread."""
+  path = tiny_models.write_random_quantized_gguf(tmp_path / "m.gguf", layer_type="Q8_0")
+  model = pijax.load(path, max_seq_len=64)
+  model.configure_host_weights("gguf")
+  kwargs = dict(max_new_tokens=10, temperature=0.8, top_k=30, top_p=0.9, seed=5,
+                logprobs=True)
+
+  def run():
+    steps = [s for s in model.generate_ids([0, 5, 9, 77], **kwargs) if s.token_id >= 0]
+    return [s.token_id for s in steps], np.stack([s.logprobs for s in steps])
+
+  split_ids, split_lp = run()
+  assert model.backend.sampler_compiler_options is not None
+  assert sum(1 for key in model._compiled if key[0] == "sample") == 1
+  model.backend.sampler_compiler_options = None  # This instance only: the fused step.
+  model._compiled.clear()
+  fused_ids, fused_lp = run()
+  assert not any(key[0] == "sample" for key in model._compiled)
+  assert split_ids == fused_ids
+  np.testing.assert_allclose(split_lp, fused_lp, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("factor", [0.0, float("nan"), -2.0, "x"])
 def test_rope_scaling_factor_is_checked(factor):
   meta = {"general.architecture": "llama", "llama.embedding_length": 64,

@@ -31,11 +31,14 @@ class Backend(abc.ABC):
     exact_kv: True when a pass attends exactly [0, pos + T) whatever kv_len says (the host
       backend): the engine then compiles one executable for every KV length.
     donate_state: whether the engine donates the state's buffers to each step.
+    sampler_compiler_options: None (the engine compiles forward pass and sampling as one
+      program), or XLA options for compiling sampling as a program of its own.
   """
 
   name: str = "backend"
   exact_kv: bool = False
   donate_state: bool = True  # The engine donates the state to each step (device KV caches).
+  sampler_compiler_options: dict[str, Any] | None = None
   # Family switches (`ModelConfig.variant_switches`) this backend implements.
   implemented_switches: frozenset[str] = frozenset()
 

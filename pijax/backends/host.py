@@ -193,6 +193,11 @@ class HostBackend(base.Backend):
 
   name = "host"
   exact_kv = True
+  # Sampling compiled apart, with XLA's loop emitters: its MLIR fusion emitters take ~100 MB of
+  # transient compile heap for the sampler, the loop emitters ~25 MB, at the same speed. Apart,
+  # because in one program with the callback those emitters move the callback off the calling
+  # thread, and numba's OpenMP pools then starve each other (BUILD_NOTES, "Memory and load time").
+  sampler_compiler_options = {"xla_cpu_use_fusion_emitters": False}
   implemented_switches = frozenset(spec.SWITCHES)  # Every family's switches.
   # Donated although it is only an id: XLA:CPU then runs the step on the calling thread, where
   # numba's thread pool lives; on XLA's worker thread the same host pass ran 3x slower
@@ -327,6 +332,7 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
   HostBackend.supports(config)
   try:
     dec = build_decoder(path, config, weights, dot=dot)
+    host_ops.release_free_heap()  # The per-layer copies the stacking freed.
     # Load (first run: compile) numba's kernels now, not inside the first timed generation:
     # one decode-sized pass and one prefill-sized pass (above the gemv row limit).
     rows = qmatmul.GEMV_MAX_ROWS + 1
@@ -338,6 +344,7 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
       if calibration_chunks is not None:
         cuts = dec.calibrate_gate_cuts(calibration_chunks, gate_sparsity)
       dec.enable_gated(cuts)
+    host_ops.release_free_heap()
   except host_ops.HostOpError as err:
     raise ConfigError(f"--host_weights={weights}: {err}") from None
   return HostBackend(config, dec, weights)
