@@ -14,7 +14,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "active")
 os.environ.setdefault("GOMP_SPINCOUNT", "2000000")
 
-from host_ops._common import (HostOpError, get_host_threads, release_free_heap,  # noqa: E402
-                              set_host_threads)
+from host_ops._common import HostOpError, get_host_threads, set_host_threads  # noqa: E402
 
-__all__ = ["HostOpError", "get_host_threads", "release_free_heap", "set_host_threads"]
+__all__ = ["HostOpError", "get_host_threads", "set_host_threads"]

@@ -17,8 +17,6 @@ shared with other work, or where XLA's own threads are busy, use fewer host thre
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 
 import llvmlite.binding
@@ -56,26 +54,6 @@ _PREFETCH_FN = "llvm.prefetch.p0" if llvmlite.binding.llvm_version_info[0] >= 15
     "llvm.prefetch.p0i8"
 
 _host_threads = [None]  # The count set by set_host_threads; None: numba's default (all cores).
-
-
-def _malloc_trim():
-  try:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-  except (OSError, AttributeError):  # Not glibc: nothing to call.
-    return None
-
-
-_MALLOC_TRIM = _malloc_trim()
-
-
-def release_free_heap() -> None:
-  """Hands the C heap's free pages back to the OS (glibc `malloc_trim(0)`; no-op elsewhere).
-
-  Building host weights frees many arrays below malloc's mmap threshold, and glibc keeps those
-  pages resident: ~64 MB of SmolLM2's peak RSS (BUILD_NOTES, "Memory and load time").
-  """
-  if _MALLOC_TRIM is not None:
-    _MALLOC_TRIM(0)
 
 
 class HostOpError(ValueError):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pijax import heap
 from pijax import sampling as sampling_lib
 from pijax.arch.spec import ModelConfig
 from pijax.backends import base as backend_lib
@@ -333,6 +334,7 @@ class Model:
         exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
       self.compile_s += time.perf_counter() - start
       self._compiled[key] = exe
+      heap.release_free_heap()  # XLA's compile heap, freed but resident until trimmed.
     return exe
 
   def compile_count(self, kind: str) -> int:

@@ -37,6 +37,7 @@ from pijax.formats import loader
 from pijax.arch import spec
 from pijax.arch.spec import ModelConfig
 from pijax.backends import base
+from pijax import heap
 from pijax.backends import bridge
 from pijax.config import FFN_FAMILIES, ROPE_ADJACENT
 from pijax.errors import ConfigError, GGUFError
@@ -332,7 +333,7 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
   HostBackend.supports(config)
   try:
     dec = build_decoder(path, config, weights, dot=dot)
-    host_ops.release_free_heap()  # The per-layer copies the stacking freed.
+    heap.release_free_heap()  # The per-layer copies the stacking freed.
     # Load (first run: compile) numba's kernels now, not inside the first timed generation:
     # one decode-sized pass and one prefill-sized pass (above the gemv row limit).
     rows = qmatmul.GEMV_MAX_ROWS + 1
@@ -344,7 +345,7 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
       if calibration_chunks is not None:
         cuts = dec.calibrate_gate_cuts(calibration_chunks, gate_sparsity)
       dec.enable_gated(cuts)
-    host_ops.release_free_heap()
+    heap.release_free_heap()
   except host_ops.HostOpError as err:
     raise ConfigError(f"--host_weights={weights}: {err}") from None
   return HostBackend(config, dec, weights)
