@@ -68,10 +68,28 @@ class ConvertOptions:
   recall_target: float = 0.95
   epochs: int = 8
   predictor_weighting: str = "count"
+  predictor_kind: str = "auto"  # "auto" (the family's, see resolve_predictor_kind), "mlp", "lowbit".
   workdir: str | None = None
   keep_workdir: bool = False
   overwrite: bool = False
   progress: bool = True
+
+
+def resolve_predictor_kind(cfg, kind: str) -> str:
+  """The predictor a conversion builds: "auto" is the one the runtime uses for the family
+  (`pijax.nn.hybrid.default_predictor_kind`: low-bit for SwiGLU/GeGLU, whose contributions MLP
+  predictors could not rank, MLP for ReLU families).
+
+  Raises:
+    ConfigError: not auto, mlp or lowbit.
+  """
+  from pijax.nn import hybrid as hybrid_nn
+  if kind == "auto":
+    return hybrid_nn.default_predictor_kind(cfg.ffn_family)
+  if kind not in predictor_lib.PREDICTOR_KINDS:
+    raise ConfigError(f"--predictor_kind={kind!r} must be auto, "
+                      f"{' or '.join(predictor_lib.PREDICTOR_KINDS)}.")
+  return kind
 
 
 def check_budget(cfg, opts: ConvertOptions) -> None:
@@ -83,7 +101,8 @@ def check_budget(cfg, opts: ConvertOptions) -> None:
   Raises:
     BudgetError: the dense part (or the --hot_ratio split) does not fit the budget.
   """
-  ranks = [int(min(opts.ranks))] * cfg.n_layers if len(opts.ranks) else []
+  mlp = resolve_predictor_kind(cfg, opts.predictor_kind) == predictor_lib.PREDICTOR_MLP
+  ranks = [int(min(opts.ranks))] * cfg.n_layers if mlp and len(opts.ranks) else []
   placement_lib.place(
       cfg, np.full((cfg.n_layers, cfg.intermediate_size), 0.5, np.float32),
       budget_bytes=opts.device_budget_bytes, max_seq_len=opts.max_seq_len,
@@ -92,7 +111,8 @@ def check_budget(cfg, opts: ConvertOptions) -> None:
 
 
 def convert(model, opts: ConvertOptions) -> dict[str, Any]:
-  """Profiles, trains predictors, places neurons and writes the bundle; returns the manifest.
+  """Profiles, builds the predictor (trains MLP predictors or sketches the rows in 4 bits, per
+  `resolve_predictor_kind`), places neurons and writes the bundle; returns the manifest.
 
   Raises:
     ConfigError, BudgetError, BundleError: bad options, a budget too small for the dense part,
@@ -112,6 +132,7 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
                       f"{sorted(_DTYPE_BYTES)}.")
   layer_weights = (placement_lib.load_cost_model(opts.cost_model, cfg.n_layers)
                    if opts.cost_model else None)
+  kind = resolve_predictor_kind(cfg, opts.predictor_kind)
   check_budget(cfg, opts)
   workdir = opts.workdir or tempfile.mkdtemp(
       prefix="pijax-convert-", dir=os.path.dirname(os.path.abspath(opts.out)) or None)
@@ -124,11 +145,13 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
     ffn_layer_bytes = 3 * cfg.hidden_size * cfg.intermediate_size * 4
     max_rank = None
     t0 = time.perf_counter()
-    preds = train_predictors(model, prof, ranks=opts.ranks, recall_target=opts.recall_target,
-                             epochs=opts.epochs, max_rank=max_rank, progress=opts.progress,
-                             weighting=opts.predictor_weighting)
+    preds = None  # The low-bit predictor needs no training: it is the rows' 4-bit sketch.
+    if kind == predictor_lib.PREDICTOR_MLP:
+      preds = train_predictors(model, prof, ranks=opts.ranks, recall_target=opts.recall_target,
+                               epochs=opts.epochs, max_rank=max_rank, progress=opts.progress,
+                               weighting=opts.predictor_weighting)
     train_s = time.perf_counter() - t0
-    ranks = [p.rank for p in preds]
+    ranks = [p.rank for p in preds] if preds else [0] * cfg.n_layers
     perm = bundle_lib.permutation_from_counts(prof.counts)
     freqs = np.take_along_axis(prof.frequencies, perm, axis=1)
     placement = placement_lib.place(
@@ -137,23 +160,37 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
         layer_weights=layer_weights, hot_ratio=opts.hot_ratio)
     manifest = build_manifest(model, opts, prof, preds, placement, ffn_layer_bytes,
                               {"profile_s": profile_s, "train_predictors_s": train_s})
+    ffn = bundle_lib.permute_ffn(model.params, cfg.n_layers, perm)
     tree = {
-        "ffn": bundle_lib.permute_ffn(model.params, cfg.n_layers, perm),
-        "predictors": {f"layers_{i}": {"fc1": np.asarray(p.params["fc1"], np.float32),
-                                       "fc2": np.asarray(p.params["fc2"], np.float32)[:, perm[i]]}
-                       for i, p in enumerate(preds)},
+        "ffn": ffn,
         "perm": perm,
         "thresholds": np.asarray(prof.thresholds, np.float32),
-        "cuts": np.asarray([p.cut for p in preds], np.float32),
-        "rms_bounds": np.asarray([p.rms_bound for p in preds], np.float32),
         "frequencies": freqs.astype(np.float32),
     }
+    if preds:
+      tree["predictors"] = {
+          f"layers_{i}": {"fc1": np.asarray(p.params["fc1"], np.float32),
+                          "fc2": np.asarray(p.params["fc2"], np.float32)[:, perm[i]]}
+          for i, p in enumerate(preds)}
+      tree["cuts"] = np.asarray([p.cut for p in preds], np.float32)
+      tree["rms_bounds"] = np.asarray([p.rms_bound for p in preds], np.float32)
+    else:  # Low-bit: its cut is the contribution threshold; no rms fallback to dense.
+      tree["lowbit"] = {name: predictor_lib.lowbit_params(rows["gate"], rows["up"])
+                        for name, rows in ffn.items()}
+      tree["cuts"] = tree["thresholds"].copy()
+      tree["rms_bounds"] = np.full(cfg.n_layers, np.inf, np.float32)
     manifest["timing"]["total_s"] = time.perf_counter() - start
     bundle_lib.write_bundle(opts.out, tree, manifest, overwrite=opts.overwrite)
     return manifest
   finally:
     if not opts.keep_workdir and not opts.workdir:
       shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _mean(values: list[float]) -> float | None:
+  """nanmean of the values, None when there are none (a low-bit bundle)."""
+  finite = [v for v in values if v is not None and np.isfinite(v)]
+  return float(np.mean(finite)) if finite else (float("nan") if values else None)
 
 
 def _finite(x: float) -> float | None:
@@ -170,15 +207,25 @@ def build_manifest(model, opts: ConvertOptions, prof: Profile,
   family_to_activation = {v: k for k, v in config_lib.ACTIVATION_TO_FAMILY.items()}
   model_cfg = dataclasses.asdict(cfg)
   model_cfg["ffn_activation"] = family_to_activation[cfg.ffn_family]
-  predictor_bytes = sum(p.n_bytes() for p in preds)
+  lowbit_bytes = predictor_lib.lowbit_bytes(cfg.hidden_size, cfg.intermediate_size)
+  predictor_bytes = sum(p.n_bytes() for p in preds) if preds else lowbit_bytes * cfg.n_layers
   ffn_bytes = ffn_layer_bytes * cfg.n_layers
   notes = []
-  if predictor_bytes > PREDICTOR_BUDGET_FRACTION * ffn_bytes:
+  if preds and predictor_bytes > PREDICTOR_BUDGET_FRACTION * ffn_bytes:
     notes.append(f"predictor bytes are {predictor_bytes / ffn_bytes:.1%} of the FFN bytes, "
                  f"over the {PREDICTOR_BUDGET_FRACTION:.0%} budget: the rank ladder kept "
                  "larger ranks because they raised predicted sparsity at the recall target.")
   layers = []
-  for i, p in enumerate(preds):
+  if not preds:  # Low-bit: nothing trained, so no held-out recall to report.
+    for i in range(cfg.n_layers):
+      layers.append({
+          "layer": i, "threshold": float(prof.thresholds[i]),
+          "hot_count": int(placement.hot_counts[i]), "predictor_rank": 0,
+          "predictor_bytes": int(lowbit_bytes), "cut": float(prof.thresholds[i]),
+          "rms_bound": None, "val_recall": None, "recall": None, "precision": None,
+          "predicted_sparsity": None, "true_sparsity": None,
+          "profiled_sparsity": float(prof.sparsity[i]), "ladder": []})
+  for i, p in enumerate(preds or ()):
     layers.append({
         "layer": i,
         "threshold": float(prof.thresholds[i]),
@@ -208,6 +255,8 @@ def build_manifest(model, opts: ConvertOptions, prof: Profile,
       "target_sparsity": prof.target_sparsity,
       "recall_target": opts.recall_target,
       "predictor_weighting": opts.predictor_weighting,
+      "predictor": {"kind": predictor_lib.PREDICTOR_MLP if preds else
+                    predictor_lib.PREDICTOR_LOWBIT},
       "placement": placement.to_json(),
       "device": {"dtype": opts.device_dtype, "max_seq_len": opts.max_seq_len,
                  "device_bytes": int(placement.device_bytes),
@@ -216,10 +265,9 @@ def build_manifest(model, opts: ConvertOptions, prof: Profile,
           "predictor_bytes": int(predictor_bytes),
           "ffn_bytes": int(ffn_bytes),
           "predictor_fraction_of_ffn": predictor_bytes / ffn_bytes,
-          "mean_recall": float(np.nanmean([p.test_recall for p in preds])),
-          "mean_predicted_sparsity": float(np.nanmean([p.test_predicted_sparsity
-                                                       for p in preds])),
-          "mean_true_sparsity": float(np.nanmean([p.true_sparsity for p in preds])),
+          "mean_recall": _mean([p.test_recall for p in preds or ()]),
+          "mean_predicted_sparsity": _mean([p.test_predicted_sparsity for p in preds or ()]),
+          "mean_true_sparsity": _mean([p.true_sparsity for p in preds or ()]),
       },
       "layers": layers,
       "timing": dict(timing),
@@ -238,9 +286,9 @@ def format_table(manifest: dict[str, Any]) -> str:
                     ps=_fmt(layer["predicted_sparsity"]), ts=_fmt(layer["true_sparsity"]),
                     kb=layer["predictor_bytes"] / 1024, **layer))
   t = manifest["totals"]
-  rows.append(f"\nmean recall {t['mean_recall']:.3f}, mean predicted sparsity "
-              f"{t['mean_predicted_sparsity']:.3f}, mean true sparsity "
-              f"{t['mean_true_sparsity']:.3f}, predictor bytes "
+  rows.append(f"\nmean recall {_fmt(t['mean_recall'])}, mean predicted sparsity "
+              f"{_fmt(t['mean_predicted_sparsity'])}, mean true sparsity "
+              f"{_fmt(t['mean_true_sparsity'])}, predictor bytes "
               f"{t['predictor_fraction_of_ffn']:.2%} of FFN bytes; device "
               f"{manifest['device']['device_bytes']} of {manifest['device']['budget_bytes']} "
               "bytes")
@@ -273,6 +321,8 @@ def _check_options(opts: ConvertOptions, given) -> None:
       ("epochs", lambda v: v >= 1, "must be >= 1"),
       ("predictor_weighting", lambda v: v in ("count", "contribution"),
        "must be count or contribution"),
+      ("predictor_kind", lambda v: v in ("auto",) + predictor_lib.PREDICTOR_KINDS,
+       "must be auto, mlp or lowbit"),
       ("device_dtype", lambda v: v in _DTYPE_BYTES,
        f"must be one of {', '.join(sorted(_DTYPE_BYTES))}"),
   )
@@ -333,6 +383,7 @@ def main(argv: list[str]) -> None:
       ranks=cli.parse_ints(pick("ranks", ",".join(map(str, DEFAULT_RANKS))), "ranks"),
       recall_target=pick("recall_target", 0.95), epochs=pick("epochs", 8),
       predictor_weighting=pick("predictor_weighting", "count"),
+      predictor_kind=pick("predictor_kind", "auto"),
       workdir=pick("workdir"), keep_workdir=f.keep_workdir, overwrite=f.overwrite)
   if not os.path.isfile(opts.calibration):
     raise ConfigError(f"{opts.calibration}: no such calibration text file.")
@@ -366,6 +417,8 @@ if __name__ == "__main__":
   flags.DEFINE_integer("epochs", None, "Predictor training epochs per rank.")
   flags.DEFINE_string("predictor_weighting", None, "count (recall of active pairs) or "
                       "contribution (pairs weighted by |a| / t in the loss and the cut).")
+  flags.DEFINE_string("predictor_kind", None, "auto (the runtime's for the family: lowbit "
+                      "for SwiGLU/GeGLU, mlp for ReLU families), mlp (trained) or lowbit.")
   flags.DEFINE_string("workdir", None, "Keep intermediate files here (default: temp).")
   flags.DEFINE_boolean("keep_workdir", False, "Do not delete the temporary workdir.")
   flags.DEFINE_boolean("overwrite", False, "Replace an existing --out bundle.")

@@ -684,6 +684,7 @@ def load(path_or_default: str | os.PathLike[str] = "default", *, dtype: str = "f
   numpy_dtype(dtype)
   config, metadata = read_gguf(path, ffn_activation=ffn_activation)
   tokenizer = Tokenizer.from_metadata(metadata)
+  heap.release_free_heap()  # Building it (Gemma's 262k-piece SentencePiece proto) left ~17 MB.
 
   stamp = _file_stamp(path)
 

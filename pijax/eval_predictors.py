@@ -49,14 +49,22 @@ def evaluate_predictors(model, text: str, *, max_tokens: int = 8192, chunk_len: 
   if n_chunks == 0:
     raise ConfigError(f"only {len(ids)} tokens to evaluate (text and --max_tokens), fewer than "
                       f"one chunk ({chunk_len}); give more text or a smaller --chunk_len.")
-  if predictor_kind == "auto":
+  if predictor_kind == "auto":  # What the runtime picks (pijax.nn.hybrid.build_hybrid).
     from pijax.nn import hybrid
-    predictor_kind = hybrid.default_predictor_kind(cfg.ffn_family)
+    predictor_kind = predictor_lib.PREDICTOR_LOWBIT \
+        if model.sparse.predictor_kind == predictor_lib.PREDICTOR_LOWBIT \
+        else hybrid.default_predictor_kind(cfg.ffn_family)
   if predictor_kind not in predictor_lib.PREDICTOR_KINDS:
     raise ConfigError(f"--predictor_kind={predictor_kind!r} must be auto, mlp or lowbit.")
+  if predictor_kind == predictor_lib.PREDICTOR_MLP and not model.sparse.predictors:
+    raise ConfigError(f"{model.path}: this bundle holds the low-bit predictor, not MLP "
+                      "predictors; use --predictor_kind=auto (or lowbit).")
   lowbit = {}
   if predictor_kind == predictor_lib.PREDICTOR_LOWBIT:
     for layer in range(cfg.n_layers):
+      if model.sparse.lowbit is not None:
+        lowbit[layer] = model.sparse.lowbit[f"layers_{layer}"]
+        continue
       rows = model.sparse.ffn[f"layers_{layer}"]
       lowbit[layer] = predictor_lib.lowbit_params(np.asarray(rows["gate"], np.float32),
                                                   np.asarray(rows["up"], np.float32))

@@ -74,7 +74,7 @@ def converted(smollm2, shared_dir, tmp_path_factory):
       calibration=str(shared_dir / "data" / "tinyshakespeare" / "input.txt"),
       out=str(base / "bundle"), target_sparsity=0.5, device_budget_bytes=int(0.4e9),
       max_tokens=12 * 512, chunk_len=512, ranks=(16, 32), epochs=3,
-      workdir=str(base / "work"), progress=False)
+      predictor_kind="mlp", workdir=str(base / "work"), progress=False)
   manifest = convert(smollm2, opts)
   return opts, manifest
 

@@ -175,3 +175,52 @@ def test_write_bundle_never_replaces_a_non_bundle(tmp_path):
     bundle_lib.write_bundle(str(victim), {"x": np.ones(2)}, {}, overwrite=True)
   assert victim.read_bytes() == b"GGUF data"
   assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+@pytest.mark.parametrize("act,activation,kind", [("silu", None, "lowbit"),
+                                                 ("relu", "relu", "mlp")])
+def test_convert_builds_the_predictor_the_runtime_uses(tmp_path, shared_dir, monkeypatch, act,
+                                                       activation, kind):
+  """SwiGLU runs the low-bit predictor, so convert trains no MLP predictors for it: the bundle
+  holds the 4-bit sketch of its permuted gate/up rows (equal to `lowbit_params` of them), the
+  manifest records the kind, `--predictor_kind=auto` at run time picks it, and the stored
+  sketch decodes the tokens a rebuilt one does. ReLU families still train MLP predictors."""
+  import tiny_models
+  from pijax import convert as convert_mod
+  from pijax.errors import ConfigError
+  from pijax.offline import predictor as predictor_lib
+  hf = tiny_models.make_hf_llama(hidden_act=act, seed=4)
+  path = tiny_models.write_gguf(hf, tmp_path / "m.gguf", ffn_activation=activation)
+  model = pijax.load(path, max_seq_len=128)
+  trained = []
+  real_train = convert_mod.train_predictors
+  monkeypatch.setattr(convert_mod, "train_predictors",
+                      lambda *a, **k: trained.append(1) or real_train(*a, **k))
+  cal = tmp_path / "cal.txt"
+  cal.write_text((shared_dir / "data" / "tinyshakespeare" / "input.txt").read_text()[:20000])
+  opts = convert_mod.ConvertOptions(
+      calibration=str(cal), out=str(tmp_path / "b"), hot_ratio=0.5, max_seq_len=128,
+      max_tokens=12 * 64, chunk_len=64, ranks=(8,), epochs=1, progress=False)
+  manifest = convert_mod.convert(model, opts)
+  assert manifest["predictor"]["kind"] == kind
+  assert bool(trained) == (kind == "mlp")
+  bundled = pijax.load(str(tmp_path / "b"), max_seq_len=128)
+  sparse = bundled.sparse
+  assert sparse.predictor_kind == kind
+  if kind == "mlp":
+    assert sparse.lowbit is None and len(sparse.predictors) == model.config.n_layers
+    return
+  assert not sparse.predictors and manifest["totals"]["mean_recall"] is None
+  for name, rows in sparse.ffn.items():
+    want = predictor_lib.lowbit_params(rows["gate"], rows["up"])
+    for key, value in want.items():
+      np.testing.assert_array_equal(np.asarray(sparse.lowbit[name][key]), value)
+  np.testing.assert_array_equal(sparse.cuts, sparse.thresholds)
+  with pytest.raises(ConfigError, match="not MLP predictors"):
+    bundled.configure_sparse("predictor", predictor_kind="mlp")
+  bundled.configure_sparse("predictor")
+  assert bundled.backend.spec.predictor_kind == "lowbit"
+  stored = bundled.generate([1, 5, 9, 30], max_new_tokens=6, temperature=0.0).token_ids
+  sparse.lowbit = None  # Rebuilt from the rows at configure time instead.
+  bundled.configure_sparse("predictor")
+  assert bundled.generate([1, 5, 9, 30], max_new_tokens=6, temperature=0.0).token_ids == stored

@@ -114,8 +114,9 @@ def for_model(model, mode: str = hybrid_lib.MODE_OFF, *, hot_ratio: float | None
     threshold_scale: multiplies the contribution thresholds (oracle mode; in predictor mode
       the low-bit predictor's cuts, which are those thresholds).
     cut_offset: added to the MLP predictor logit cuts (predictor mode; > 0 skips more).
-    predictor_kind: "auto" (low-bit for SwiGLU/GeGLU, MLP for ReLU families), "mlp" or
-      "lowbit" (see `pijax.offline.predictor`).
+    predictor_kind: "auto" (the bundle's low-bit predictor when convert built one, else
+      low-bit for SwiGLU/GeGLU and MLP for ReLU families), "mlp" or "lowbit" (see
+      `pijax.offline.predictor`).
     prefill_dense_tokens, overlap, host_predict: see `pijax.nn.hybrid.SparseSpec`.
     use_pallas: force the Pallas kernel for the hot part of decode (default: on GPU).
 

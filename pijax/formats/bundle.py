@@ -9,7 +9,11 @@ A bundle is a folder:
                      descending activation frequency ("row-column bundling": the down projection
                      is stored transposed so one neuron's weights are three contiguous rows;
                      LLM in a Flash, arXiv 2312.11514 §3.2),
-                   predictors/layers_i/{fc1: f32[D, r_i], fc2: f32[r_i, F]} (permuted order),
+                   predictors/layers_i/{fc1: f32[D, r_i], fc2: f32[r_i, F]} (permuted order;
+                     MLP-predictor bundles only, manifest predictor.kind "mlp"),
+                   lowbit/layers_i/{gate_codes, up_codes: u8[F, D/2], gate_scales,
+                     up_scales: f16[F, D/32]} (low-bit-predictor bundles, kind "lowbit": the
+                     4-bit sketch of the permuted gate/up rows, `pijax.offline.predictor`),
                    perm: i32[L, F] original index of each stored neuron,
                    thresholds: f32[L] contribution thresholds t_l, cuts: f32[L] predictor logit
                    cuts, rms_bounds: f32[L] residual rms above which a token runs dense,
@@ -158,7 +162,10 @@ class SparseBundle:
     path: bundle folder.
     manifest: its manifest.json.
     ffn: {layers_i: {gate, up, down}: f32[F, D]} neuron-major weights (numpy, host).
-    predictors: {layers_i: {fc1: f32[D, r], fc2: f32[r, F]}}.
+    predictors: {layers_i: {fc1: f32[D, r], fc2: f32[r, F]}} ({} in a low-bit bundle).
+    predictor_kind: the predictor convert built ("mlp" | "lowbit"; "mlp" before it was recorded).
+    lowbit: {layers_i: low-bit predictor arrays} (`pijax.offline.predictor.lowbit_params`), or
+      None (an MLP bundle: the runtime quantizes the rows if asked for the low-bit predictor).
     cuts: f32[L] predictor logit cuts; thresholds: f32[L] contribution thresholds.
     rms_bounds: f32[L] residual rms above which a token runs dense (inf: never).
     frequencies: f32[L, F]; perm: i32[L, F]; hot_counts: list of L ints (placement).
@@ -174,6 +181,8 @@ class SparseBundle:
   frequencies: np.ndarray
   perm: np.ndarray
   hot_counts: list[int]
+  predictor_kind: str = "mlp"
+  lowbit: dict[str, Any] | None = None
 
 
 def open_bundle(path: str, *, source: str | None = None
@@ -207,8 +216,15 @@ def open_bundle(path: str, *, source: str | None = None
   tree = read_checkpoint(path)
   bundle = SparseBundle(
       path=os.path.abspath(path), manifest=manifest, ffn=tree["ffn"],
-      predictors=tree["predictors"], cuts=tree["cuts"], thresholds=tree["thresholds"],
+      predictors=tree.get("predictors", {}), cuts=tree["cuts"], thresholds=tree["thresholds"],
       rms_bounds=tree.get("rms_bounds", np.full(n_layers, np.inf, np.float32)),
       frequencies=tree["frequencies"], perm=tree["perm"],
-      hot_counts=[int(layer["hot_count"]) for layer in manifest["layers"]])
+      hot_counts=[int(layer["hot_count"]) for layer in manifest["layers"]],
+      predictor_kind=str((manifest.get("predictor") or {}).get("kind", "mlp")),
+      lowbit=tree.get("lowbit"))
+  if bundle.predictor_kind not in ("mlp", "lowbit") or \
+      (bundle.predictor_kind == "mlp") != bool(bundle.predictors) or \
+      (bundle.predictor_kind == "lowbit") != (bundle.lowbit is not None):
+    raise BundleError(f"{path}: its manifest's predictor kind {bundle.predictor_kind!r} does "
+                      "not match the predictors its checkpoint holds; re-run pijax.convert.")
   return bundle, src, manifest["model"].get("ffn_activation")

@@ -273,7 +273,8 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
     threshold_scale: multiplies every layer's contribution threshold (oracle mode, and the
       low-bit predictor's cut, which is that threshold): > 1 skips more neurons.
     cut_offset: added to every MLP predictor logit cut (predictor mode): > 0 skips more.
-    predictor_kind: "mlp", "lowbit", or "auto" (see `default_predictor_kind`).
+    predictor_kind: "mlp", "lowbit", or "auto" (a low-bit bundle's own predictor, else
+      `default_predictor_kind`).
     prefill_dense_tokens, overlap: see `SparseSpec`.
     host_predict: see `SparseSpec` (default: on for the low-bit predictor).
     use_pallas: Pallas for the hot part of decode (default: when the backend is GPU).
@@ -292,11 +293,18 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
   if mode not in (MODE_ORACLE, MODE_PREDICTOR):
     raise ConfigError(f"--sparse={mode!r} must be one of {', '.join(MODES)}.")
   cfg = model.config
-  if predictor_kind == "auto":
-    predictor_kind = default_predictor_kind(cfg.ffn_family)
+  if predictor_kind == "auto":  # The predictor convert built, else the family's default.
+    predictor_kind = predictor_lib.PREDICTOR_LOWBIT \
+        if model.sparse.predictor_kind == predictor_lib.PREDICTOR_LOWBIT \
+        else default_predictor_kind(cfg.ffn_family)
   if predictor_kind not in predictor_lib.PREDICTOR_KINDS:
     raise ConfigError(f"--predictor_kind={predictor_kind!r} must be auto, "
                       f"{' or '.join(predictor_lib.PREDICTOR_KINDS)}.")
+  if predictor_kind == predictor_lib.PREDICTOR_MLP and mode == MODE_PREDICTOR and \
+      not model.sparse.predictors:
+    raise ConfigError(f"{model.path}: this bundle holds the low-bit predictor, not MLP "
+                      "predictors; use --predictor_kind=auto (or lowbit), or re-convert with "
+                      "--predictor_kind=mlp.")
   if not (math.isfinite(threshold_scale) and threshold_scale >= 0):
     raise ConfigError(f"--threshold_scale={threshold_scale} must be a finite number >= 0 "
                       "(1 = the calibrated thresholds, 0 = every neuron active).")
@@ -335,8 +343,11 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
            else oracle_threshold)
       ffn["threshold"] = jnp.asarray(t, jnp.float32)
     elif predictor_kind == predictor_lib.PREDICTOR_LOWBIT:
-      lowbit = predictor_lib.lowbit_params(np.asarray(rows["gate"], np.float32),
-                                           np.asarray(rows["up"], np.float32))
+      if model.sparse.lowbit is not None:  # Built by convert (same function, same rows).
+        lowbit = {k: np.asarray(v) for k, v in model.sparse.lowbit[f"layers_{i}"].items()}
+      else:
+        lowbit = predictor_lib.lowbit_params(np.asarray(rows["gate"], np.float32),
+                                             np.asarray(rows["up"], np.float32))
       # With host_predict the device holds (and reads) only its hot rows' codes.
       keep = n_hot if host_predict else f
       ffn.update({k: jnp.asarray(v[:keep]) for k, v in lowbit.items()})
@@ -365,7 +376,7 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
     layer["ffn"] = ffn
     params[f"layers_{i}"] = layer
   ranks = tuple(int(model.sparse.predictors[f"layers_{i}"]["fc1"].shape[1])
-                for i in range(cfg.n_layers))
+                if model.sparse.predictors else 0 for i in range(cfg.n_layers))
   spec = SparseSpec(mode=mode, hot_counts=tuple(int(n) for n in hot),
                     host_layers=tuple(host_layers), ranks=ranks, use_pallas=bool(use_pallas),
                     predictor_kind=predictor_kind, prefill_dense_tokens=int(prefill_dense_tokens),
