@@ -107,7 +107,9 @@ def check_budget(cfg, opts: ConvertOptions) -> None:
       cfg, np.full((cfg.n_layers, cfg.intermediate_size), 0.5, np.float32),
       budget_bytes=opts.device_budget_bytes, max_seq_len=opts.max_seq_len,
       dtype_bytes=_DTYPE_BYTES[opts.device_dtype], predictor_ranks=ranks, tile=opts.tile,
-      hot_ratio=opts.hot_ratio)
+      hot_ratio=opts.hot_ratio,
+      predictor_neuron_bytes=predictor_lib.hot_neuron_bytes(
+          cfg.hidden_size, resolve_predictor_kind(cfg, opts.predictor_kind)))
 
 
 def convert(model, opts: ConvertOptions) -> dict[str, Any]:
@@ -157,7 +159,8 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
     placement = placement_lib.place(
         cfg, freqs, budget_bytes=opts.device_budget_bytes, max_seq_len=opts.max_seq_len,
         dtype_bytes=_DTYPE_BYTES[opts.device_dtype], predictor_ranks=ranks, tile=opts.tile,
-        layer_weights=layer_weights, hot_ratio=opts.hot_ratio)
+        layer_weights=layer_weights, hot_ratio=opts.hot_ratio,
+        predictor_neuron_bytes=predictor_lib.hot_neuron_bytes(cfg.hidden_size, kind))
     manifest = build_manifest(model, opts, prof, preds, placement, ffn_layer_bytes,
                               {"profile_s": profile_s, "train_predictors_s": train_s})
     ffn = bundle_lib.permute_ffn(model.params, cfg.n_layers, perm)

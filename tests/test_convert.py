@@ -204,6 +204,10 @@ def test_convert_builds_the_predictor_the_runtime_uses(tmp_path, shared_dir, mon
   manifest = convert_mod.convert(model, opts)
   assert manifest["predictor"]["kind"] == kind
   assert bool(trained) == (kind == "mlp")
+  d = model.config.hidden_size  # Placement counts the hot rows' low-bit codes on the device.
+  hot = manifest["placement"]["hot_counts"]
+  assert manifest["placement"]["ffn_bytes_hot"] == sum(hot) * (
+      3 * d * 4 + (predictor_lib.hot_neuron_bytes(d, kind)))
   bundled = pijax.load(str(tmp_path / "b"), max_seq_len=128)
   sparse = bundled.sparse
   assert sparse.predictor_kind == kind

@@ -163,6 +163,25 @@ def test_budget_never_exceeded_to_the_byte():
   assert p.hot_counts == [1536] * 30 and p.served_fraction == pytest.approx(1.0)
 
 
+def test_lowbit_codes_of_hot_rows_count_against_the_budget():
+  """With the low-bit predictor each hot neuron also puts its 4-bit gate/up codes (648 bytes at
+  hidden 576) on the device: counted per hot neuron, never over the budget, fewer hot neurons."""
+  from pijax.offline import predictor as predictor_lib
+  extra = predictor_lib.hot_neuron_bytes(576, predictor_lib.PREDICTOR_LOWBIT)
+  assert extra == 2 * (576 // 2 + 2 * 576 // 32) == 648
+  assert predictor_lib.hot_neuron_bytes(576, predictor_lib.PREDICTOR_MLP) == 0
+  freqs = _power_law(np.random.default_rng(5), 30, 1536, shuffle=False)
+  tile_bytes = 64 * (SMOLLM2_NEURON_F32 + extra)
+  budget = SMOLLM2_DENSE_F32_2048 + 500 * tile_bytes - 1
+  plain = _place(freqs, budget)
+  coded = _place(freqs, budget, predictor_neuron_bytes=extra)
+  assert coded.device_bytes <= budget and sum(coded.hot_counts) == 64 * 499
+  assert coded.ffn_bytes_hot == sum(coded.hot_counts) * (SMOLLM2_NEURON_F32 + extra)
+  assert sum(coded.hot_counts) < sum(plain.hot_counts)
+  with pytest.raises(ConfigError, match="predictor_neuron_bytes"):
+    _place(freqs, budget, predictor_neuron_bytes=-1)
+
+
 def test_budget_below_dense_part_raises():
   freqs = _power_law(np.random.default_rng(3), 30, 1536)
   p = _place(freqs, SMOLLM2_DENSE_F32_2048)

@@ -91,7 +91,9 @@ def replace_counts(model, *, hot_ratio: float | None = None,
       model.config, model.sparse.frequencies,
       budget_bytes=None if device_budget_gb is None else int(device_budget_gb * 1e9),
       max_seq_len=model.max_seq_len, dtype_bytes=model.dtype.itemsize, predictor_ranks=ranks,
-      tile=int(model.sparse.manifest["placement"].get("tile", 64)), hot_ratio=hot_ratio)
+      tile=int(model.sparse.manifest["placement"].get("tile", 64)), hot_ratio=hot_ratio,
+      predictor_neuron_bytes=predictor_lib.hot_neuron_bytes(model.config.hidden_size,
+                                                            model.sparse.predictor_kind))
   return list(placement.hot_counts)
 
 

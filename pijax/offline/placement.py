@@ -395,7 +395,8 @@ def _check_profile(config: ModelConfig, frequencies: np.ndarray) -> np.ndarray:
 def place(config: ModelConfig, frequencies: np.ndarray, *, budget_bytes: int | float | None,
           max_seq_len: int, dtype_bytes: int, predictor_ranks: Sequence[int], tile: int = 64,
           layer_weights: np.ndarray | None = None, hot_ratio: float | None = None,
-          embedding_on_device: bool = True, kv_dtype_bytes: int | None = None) -> Placement:
+          embedding_on_device: bool = True, kv_dtype_bytes: int | None = None,
+          predictor_neuron_bytes: int = 0) -> Placement:
   """Places the dense part, then the hottest FFN neurons, within a device budget.
 
   Args:
@@ -411,6 +412,9 @@ def place(config: ModelConfig, frequencies: np.ndarray, *, budget_bytes: int | f
       (capped at F) instead of the solver.
     embedding_on_device: see `dense_device_bytes`.
     kv_dtype_bytes: see `dense_device_bytes`.
+    predictor_neuron_bytes: device bytes each hot neuron adds for its predictor (the low-bit
+      predictor's 4-bit gate/up codes of the hot rows: `pijax.offline.predictor.lowbit_bytes`
+      of one neuron); 0 for MLP predictors, counted in the dense part by their ranks.
 
   Returns:
     Placement with device_bytes <= budget_bytes.
@@ -435,7 +439,11 @@ def place(config: ModelConfig, frequencies: np.ndarray, *, budget_bytes: int | f
                              predictor_ranks=predictor_ranks,
                              embedding_on_device=embedding_on_device,
                              kv_dtype_bytes=kv_dtype_bytes)
-  one_neuron = neuron_bytes(config, dtype_bytes)
+  if isinstance(predictor_neuron_bytes, bool) or int(predictor_neuron_bytes) != \
+      predictor_neuron_bytes or predictor_neuron_bytes < 0:
+    raise ConfigError(f"predictor_neuron_bytes={predictor_neuron_bytes!r} must be an integer "
+                      ">= 0.")
+  one_neuron = neuron_bytes(config, dtype_bytes) + int(predictor_neuron_bytes)
   if not no_budget and dense.total > budget_bytes:
     remedies = ["raise --device_budget_gb", "lower --max_seq_len"]
     if dtype_bytes > 2:

@@ -583,6 +583,13 @@ def lowbit_bytes(hidden: int, ffn: int) -> int:
   return 2 * (ffn * hidden // 2 + ffn * (hidden // LOWBIT_BLOCK) * 2)
 
 
+def hot_neuron_bytes(hidden: int, kind: str) -> int:
+  """Device bytes a hot neuron's predictor adds in placement: its 4-bit gate and up codes for
+  the low-bit predictor (the device holds the hot rows' codes and the host predicts its cold
+  ones), 0 for MLP predictors (their ranks count in the dense part)."""
+  return lowbit_bytes(hidden, 1) if kind == PREDICTOR_LOWBIT else 0
+
+
 def lowbit_contribution(params: dict, h: jax.Array, family: str) -> jax.Array:
   """Estimated neuron contributions |act(g) * u| from the 4-bit gate and up rows.
 
