@@ -120,7 +120,9 @@ class _SplitStep:
 
   def __call__(self, *args):
     logits, state, active = self.forward(*args[:self.n_forward])
-    token, key, *lp = self.sample(logits, *args[self.n_forward:])
+    # Ready on return: a next step chained on a token still being sampled would run its host
+    # callback on XLA's thread, and numba's OpenMP teams then starve (tg128 -30%, BUILD_NOTES).
+    token, key, *lp = jax.block_until_ready(self.sample(logits, *args[self.n_forward:]))
     return (token, state, key, active, *lp)
 
 

@@ -211,6 +211,24 @@ def test_host_pass_runs_on_the_calling_thread(tmp_path):
   backend._forward_cb = spy
   model.generate([0, 5, 9], max_new_tokens=4, temperature=0.0)
   assert len(threads) >= 2 and set(threads) == {threading.current_thread()}
+  # Steps chained on device arrays, no host sync between them (as pijax.bench runs decode):
+  # the sampler runs apart (loop emitters), and a step whose inputs were still being computed
+  # would run its callback on XLA's thread; each step returns them ready instead.
+  import jax
+  import jax.numpy as jnp
+  from pijax import sampling
+  threads.clear()
+  token, key = jnp.asarray([0], jnp.int32), jax.random.PRNGKey(0)
+  sparams, recent = sampling.make_sampling_params(temperature=0.7), jnp.full((1, 4), -1,
+                                                                             jnp.int32)
+  cache = model.new_cache(1)
+  args = (model.step_params, cache, token, jnp.asarray(0, jnp.int32), key, sparams, recent)
+  exe = model.compiled("decode", model.kv_bucket(8), args)
+  for pos in range(6):
+    token, cache, key, _ = exe(model.step_params, cache, token, jnp.asarray(pos, jnp.int32),
+                               key, sparams, recent)
+  model.release_cache(cache)
+  assert len(threads) == 6 and set(threads) == {threading.current_thread()}
 
 
 def test_host_sampler_compiled_apart_gives_the_fused_steps_tokens(tmp_path):
