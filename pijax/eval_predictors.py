@@ -49,13 +49,8 @@ def evaluate_predictors(model, text: str, *, max_tokens: int = 8192, chunk_len: 
   if n_chunks == 0:
     raise ConfigError(f"only {len(ids)} tokens to evaluate (text and --max_tokens), fewer than "
                       f"one chunk ({chunk_len}); give more text or a smaller --chunk_len.")
-  if predictor_kind == "auto":  # What the runtime picks (pijax.nn.hybrid.build_hybrid).
-    from pijax.nn import hybrid
-    predictor_kind = predictor_lib.PREDICTOR_LOWBIT \
-        if model.sparse.predictor_kind == predictor_lib.PREDICTOR_LOWBIT \
-        else hybrid.default_predictor_kind(cfg.ffn_family)
-  if predictor_kind not in predictor_lib.PREDICTOR_KINDS:
-    raise ConfigError(f"--predictor_kind={predictor_kind!r} must be auto, mlp or lowbit.")
+  from pijax.nn import hybrid
+  predictor_kind = hybrid.resolve_predictor_kind(model, predictor_kind)
   if predictor_kind == predictor_lib.PREDICTOR_MLP and not model.sparse.predictors:
     raise ConfigError(f"{model.path}: this bundle holds the low-bit predictor, not MLP "
                       "predictors; use --predictor_kind=auto (or lowbit).")
@@ -131,10 +126,8 @@ def main(argv: list[str]) -> None:
   except (OSError, UnicodeDecodeError) as err:
     raise ConfigError(f"{f.text}: cannot read text ({err}).") from None
   model = pijax.load(f.model, max_seq_len=max(f.chunk_len, 16))
-  kind = f.predictor_kind
-  if kind == "auto":
-    from pijax.nn import hybrid
-    kind = hybrid.default_predictor_kind(model.config.ffn_family)
+  from pijax.nn import hybrid
+  kind = hybrid.resolve_predictor_kind(model, f.predictor_kind)  # Auto: what the runtime runs.
   rows = evaluate_predictors(model, text, max_tokens=f.max_tokens, chunk_len=f.chunk_len,
                              predictor_kind=kind, threshold_scale=f.threshold_scale)
   sys.stdout.write(format_table(rows, model.sparse.manifest, kind) + "\n")

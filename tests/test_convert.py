@@ -177,10 +177,11 @@ def test_write_bundle_never_replaces_a_non_bundle(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
 
 
-@pytest.mark.parametrize("act,activation,kind", [("silu", None, "lowbit"),
-                                                 ("relu", "relu", "mlp")])
+@pytest.mark.parametrize("act,activation,asked,kind", [("silu", None, "auto", "lowbit"),
+                                                       ("relu", "relu", "auto", "mlp"),
+                                                       ("relu", "relu", "lowbit", "lowbit")])
 def test_convert_builds_the_predictor_the_runtime_uses(tmp_path, shared_dir, monkeypatch, act,
-                                                       activation, kind):
+                                                       activation, asked, kind):
   """SwiGLU runs the low-bit predictor, so convert trains no MLP predictors for it: the bundle
   holds the 4-bit sketch of its permuted gate/up rows (equal to `lowbit_params` of them), the
   manifest records the kind, `--predictor_kind=auto` at run time picks it, and the stored
@@ -200,7 +201,8 @@ def test_convert_builds_the_predictor_the_runtime_uses(tmp_path, shared_dir, mon
   cal.write_text((shared_dir / "data" / "tinyshakespeare" / "input.txt").read_text()[:20000])
   opts = convert_mod.ConvertOptions(
       calibration=str(cal), out=str(tmp_path / "b"), hot_ratio=0.5, max_seq_len=128,
-      max_tokens=12 * 64, chunk_len=64, ranks=(8,), epochs=1, progress=False)
+      max_tokens=12 * 64, chunk_len=64, ranks=(8,), epochs=1, predictor_kind=asked,
+      progress=False)
   manifest = convert_mod.convert(model, opts)
   assert manifest["predictor"]["kind"] == kind
   assert bool(trained) == (kind == "mlp")
@@ -222,6 +224,42 @@ def test_convert_builds_the_predictor_the_runtime_uses(tmp_path, shared_dir, mon
   np.testing.assert_array_equal(sparse.cuts, sparse.thresholds)
   with pytest.raises(ConfigError, match="not MLP predictors"):
     bundled.configure_sparse("predictor", predictor_kind="mlp")
+  from pijax import eval_predictors  # auto evaluates the bundle's own predictor (any family).
+  rows = eval_predictors.evaluate_predictors(bundled, cal.read_text(), max_tokens=128,
+                                             chunk_len=64, predictor_kind="auto")
+  assert len(rows) == model.config.n_layers
+  # Re-placement at load counts what will run: the hot rows' codes, or every row's (--overlap).
+  from pijax.backends import hybrid as hybrid_backend
+  from pijax.offline import placement as placement_lib
+  seen = []
+  real_place = placement_lib.place
+  monkeypatch.setattr(placement_lib, "place", lambda *a, **k: seen.append(k) or real_place(*a, **k))
+  bundled.configure_sparse("predictor", hot_ratio=0.5)
+  bundled.configure_sparse("predictor", hot_ratio=0.5, overlap=True)
+  d, f, n_layers = model.config.hidden_size, model.config.intermediate_size, model.config.n_layers
+  assert [(k["predictor_ranks"], k["predictor_neuron_bytes"], k["predictor_bytes"])
+          for k in seen] == [([], predictor_lib.hot_neuron_bytes(d, "lowbit"), None),
+                             ([], 0, predictor_lib.lowbit_bytes(d, f) * n_layers)]
+  # A corrupt low-bit bundle is one BundleError naming the array, never a KeyError later.
+  tree = bundle_lib.read_checkpoint(str(tmp_path / "b"))
+  cases = {"no layer": lambda t: t["lowbit"].pop("layers_1"),
+           "no key": lambda t: t["lowbit"]["layers_0"].pop("up_scales"),
+           "dtype": lambda t: t["lowbit"]["layers_0"].update(
+               gate_codes=t["lowbit"]["layers_0"]["gate_codes"].astype(np.float32)),
+           "shape": lambda t: t["lowbit"]["layers_0"].update(
+               up_codes=t["lowbit"]["layers_0"]["up_codes"][:-3])}
+  for name, corrupt in cases.items():
+    broken = bundle_lib.jax_tree_to_numpy(tree)
+    corrupt(broken)
+    out = tmp_path / f"broken_{name.replace(' ', '_')}"
+    bundle_lib.write_bundle(str(out), broken, manifest)
+    with pytest.raises(BundleError, match="re-run pijax.convert"):
+      bundle_lib.open_bundle(str(out))
+  for record in ("lowbit", ["lowbit"], 3, {"kind": "foo"}):
+    out = tmp_path / "bad_record"
+    bundle_lib.write_bundle(str(out), tree, dict(manifest, predictor=record), overwrite=True)
+    with pytest.raises(BundleError, match="predictor"):
+      bundle_lib.open_bundle(str(out))
   bundled.configure_sparse("predictor")
   assert bundled.backend.spec.predictor_kind == "lowbit"
   stored = bundled.generate([1, 5, 9, 30], max_new_tokens=6, temperature=0.0).token_ids

@@ -71,9 +71,13 @@ class HybridBackend(xla.XlaBackend):
 
 
 def replace_counts(model, *, hot_ratio: float | None = None,
-                   device_budget_gb: float | None = None) -> list[int]:
+                   device_budget_gb: float | None = None, predictor_kind: str | None = None,
+                   host_predict: bool = True) -> list[int]:
   """Per-layer hot counts of a bundle-loaded `model`, re-placed from the bundle's activation
   frequencies for a hot ratio or a device budget (`pijax.offline.placement.place`).
+
+  predictor_kind: the predictor that will run ("mlp": its ranks count; "lowbit": the codes of
+  the hot rows with host_predict, of every row without; None: the bundle's own).
 
   Raises:
     ConfigError: not a bundle, or a budget that is not a finite number > 0.
@@ -86,14 +90,23 @@ def replace_counts(model, *, hot_ratio: float | None = None,
                                            and math.isfinite(device_budget_gb)):
     raise ConfigError(f"--device_budget_gb={device_budget_gb} must be a finite number > 0 "
                       "(GB = 1e9 bytes); omit it for no re-placement.")
+  cfg = model.config
+  kind = model.sparse.predictor_kind if predictor_kind is None else predictor_kind
   ranks = [int(layer["predictor_rank"]) for layer in model.sparse.manifest["layers"]]
+  per_neuron, dense_codes = 0, None
+  if kind == predictor_lib.PREDICTOR_LOWBIT:
+    ranks = []  # No MLP predictor goes to the device.
+    if host_predict:
+      per_neuron = predictor_lib.hot_neuron_bytes(cfg.hidden_size, kind)
+    else:
+      dense_codes = predictor_lib.lowbit_bytes(cfg.hidden_size, cfg.intermediate_size) * \
+          cfg.n_layers
   placement = placement_lib.place(
-      model.config, model.sparse.frequencies,
+      cfg, model.sparse.frequencies,
       budget_bytes=None if device_budget_gb is None else int(device_budget_gb * 1e9),
       max_seq_len=model.max_seq_len, dtype_bytes=model.dtype.itemsize, predictor_ranks=ranks,
       tile=int(model.sparse.manifest["placement"].get("tile", 64)), hot_ratio=hot_ratio,
-      predictor_neuron_bytes=predictor_lib.hot_neuron_bytes(model.config.hidden_size,
-                                                            model.sparse.predictor_kind))
+      predictor_neuron_bytes=per_neuron, predictor_bytes=dense_codes)
   return list(placement.hot_counts)
 
 
@@ -137,7 +150,12 @@ def for_model(model, mode: str = hybrid_lib.MODE_OFF, *, hot_ratio: float | None
     return model.backend
   hot_counts = None
   if hot_ratio is not None or device_budget_gb is not None:
-    hot_counts = replace_counts(model, hot_ratio=hot_ratio, device_budget_gb=device_budget_gb)
+    kind = None  # Oracle mode: the bundle's accounting.
+    if mode == hybrid_lib.MODE_PREDICTOR and model.sparse is not None:
+      kind = hybrid_lib.resolve_predictor_kind(model, predictor_kind)
+    hot_counts = replace_counts(
+        model, hot_ratio=hot_ratio, device_budget_gb=device_budget_gb, predictor_kind=kind,
+        host_predict=not overlap if host_predict is None else bool(host_predict))
   spec, params = hybrid_lib.build_hybrid(
       model, mode=mode, hot_counts=hot_counts, oracle_threshold=oracle_threshold,
       threshold_scale=threshold_scale, cut_offset=cut_offset, predictor_kind=predictor_kind,

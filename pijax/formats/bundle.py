@@ -220,11 +220,45 @@ def open_bundle(path: str, *, source: str | None = None
       rms_bounds=tree.get("rms_bounds", np.full(n_layers, np.inf, np.float32)),
       frequencies=tree["frequencies"], perm=tree["perm"],
       hot_counts=[int(layer["hot_count"]) for layer in manifest["layers"]],
-      predictor_kind=str((manifest.get("predictor") or {}).get("kind", "mlp")),
-      lowbit=tree.get("lowbit"))
-  if bundle.predictor_kind not in ("mlp", "lowbit") or \
-      (bundle.predictor_kind == "mlp") != bool(bundle.predictors) or \
+      predictor_kind=_predictor_kind(path, manifest), lowbit=tree.get("lowbit"))
+  if (bundle.predictor_kind == "mlp") != bool(bundle.predictors) or \
       (bundle.predictor_kind == "lowbit") != (bundle.lowbit is not None):
     raise BundleError(f"{path}: its manifest's predictor kind {bundle.predictor_kind!r} does "
                       "not match the predictors its checkpoint holds; re-run pijax.convert.")
+  if bundle.lowbit is not None:
+    _check_lowbit(path, bundle.lowbit, bundle.ffn, n_layers)
   return bundle, src, manifest["model"].get("ffn_activation")
+
+
+def _predictor_kind(path: str, manifest: dict[str, Any]) -> str:
+  """The manifest's predictor kind ("mlp" when the bundle predates the record)."""
+  record = manifest.get("predictor")
+  if record is None:
+    return "mlp"
+  kind = record.get("kind", "mlp") if isinstance(record, dict) else None
+  if kind not in ("mlp", "lowbit"):
+    raise BundleError(f"{path}: its manifest's \"predictor\" must be {{\"kind\": \"mlp\" or "
+                      f"\"lowbit\"}}, got {record!r}; re-run pijax.convert.")
+  return kind
+
+
+def _check_lowbit(path: str, lowbit: Any, ffn: dict[str, Any], n_layers: int) -> None:
+  """BundleError unless every layer has the low-bit predictor's four arrays with the shapes
+  and dtypes of its FFN rows (`pijax.offline.predictor.lowbit_params`)."""
+  for i in range(n_layers):
+    name = f"layers_{i}"
+    layer = lowbit.get(name) if isinstance(lowbit, dict) else None
+    rows = ffn.get(name) if isinstance(ffn, dict) else None
+    if not isinstance(layer, dict) or not isinstance(rows, dict) or "gate" not in rows:
+      raise BundleError(f"{path}: its checkpoint lacks the low-bit predictor of {name}; "
+                        "re-run pijax.convert.")
+    n, d = np.shape(rows["gate"])
+    want = {"gate_codes": ((n, d // 2), np.uint8), "up_codes": ((n, d // 2), np.uint8),
+            "gate_scales": ((n, d // 32), np.float16), "up_scales": ((n, d // 32), np.float16)}
+    for key, (shape, dtype) in want.items():
+      value = layer.get(key)
+      if value is None or np.shape(value) != shape or np.asarray(value).dtype != dtype:
+        got = "missing" if value is None else \
+            f"{np.asarray(value).dtype.name}{list(np.shape(value))}"
+        raise BundleError(f"{path}: low-bit predictor array {name}/{key} is {got}, expected "
+                          f"{np.dtype(dtype).name}{list(shape)}; re-run pijax.convert.")

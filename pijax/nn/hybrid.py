@@ -293,18 +293,13 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
   if mode not in (MODE_ORACLE, MODE_PREDICTOR):
     raise ConfigError(f"--sparse={mode!r} must be one of {', '.join(MODES)}.")
   cfg = model.config
-  if predictor_kind == "auto":  # The predictor convert built, else the family's default.
-    predictor_kind = predictor_lib.PREDICTOR_LOWBIT \
-        if model.sparse.predictor_kind == predictor_lib.PREDICTOR_LOWBIT \
-        else default_predictor_kind(cfg.ffn_family)
+  if mode == MODE_PREDICTOR:
+    predictor_kind = resolve_predictor_kind(model, predictor_kind)
+  elif predictor_kind == "auto":  # Oracle mode reads no predictor.
+    predictor_kind = default_predictor_kind(cfg.ffn_family)
   if predictor_kind not in predictor_lib.PREDICTOR_KINDS:
     raise ConfigError(f"--predictor_kind={predictor_kind!r} must be auto, "
                       f"{' or '.join(predictor_lib.PREDICTOR_KINDS)}.")
-  if predictor_kind == predictor_lib.PREDICTOR_MLP and mode == MODE_PREDICTOR and \
-      not model.sparse.predictors:
-    raise ConfigError(f"{model.path}: this bundle holds the low-bit predictor, not MLP "
-                      "predictors; use --predictor_kind=auto (or lowbit), or re-convert with "
-                      "--predictor_kind=mlp.")
   if not (math.isfinite(threshold_scale) and threshold_scale >= 0):
     raise ConfigError(f"--threshold_scale={threshold_scale} must be a finite number >= 0 "
                       "(1 = the calibrated thresholds, 0 = every neuron active).")
@@ -383,6 +378,27 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
                     overlap=bool(overlap), host_predict=host_predict,
                     overlap_worker=bridge.Overlap() if overlap else None)
   return spec, params
+
+
+def resolve_predictor_kind(model, kind: str) -> str:
+  """The predictor a predictor-mode run of a bundle-loaded `model` uses: "auto" is the bundle's
+  low-bit predictor when convert built one, else the family's (`default_predictor_kind`).
+
+  Raises:
+    ConfigError: not auto, mlp or lowbit; mlp on a bundle that holds no MLP predictors.
+  """
+  if kind == "auto":
+    kind = predictor_lib.PREDICTOR_LOWBIT \
+        if model.sparse.predictor_kind == predictor_lib.PREDICTOR_LOWBIT \
+        else default_predictor_kind(model.config.ffn_family)
+  if kind not in predictor_lib.PREDICTOR_KINDS:
+    raise ConfigError(f"--predictor_kind={kind!r} must be auto, "
+                      f"{' or '.join(predictor_lib.PREDICTOR_KINDS)}.")
+  if kind == predictor_lib.PREDICTOR_MLP and not model.sparse.predictors:
+    raise ConfigError(f"{model.path}: this bundle holds the low-bit predictor, not MLP "
+                      "predictors; use --predictor_kind=auto (or lowbit), or re-convert with "
+                      "--predictor_kind=mlp.")
+  return kind
 
 
 def default_predictor_kind(family: str) -> str:

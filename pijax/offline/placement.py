@@ -99,7 +99,8 @@ def _predictor_ranks(config: ModelConfig, predictor_ranks: Sequence[int]) -> lis
 
 def dense_device_bytes(config: ModelConfig, *, max_seq_len: int, dtype_bytes: int,
                        predictor_ranks: Sequence[int], embedding_on_device: bool = True,
-                       kv_dtype_bytes: int | None = None) -> DenseDeviceBytes:
+                       kv_dtype_bytes: int | None = None,
+                       predictor_bytes: int | None = None) -> DenseDeviceBytes:
   """Exact device bytes of everything but the hot FFN neurons.
 
   Args:
@@ -111,6 +112,8 @@ def dense_device_bytes(config: ModelConfig, *, max_seq_len: int, dtype_bytes: in
     embedding_on_device: keep the token embedding on the device. The LM head always runs on
       the device; a tied head then needs the shared matrix there anyway, counted as `lm_head`.
     kv_dtype_bytes: bytes per KV cache element; None = `dtype_bytes`.
+    predictor_bytes: the predictors' device bytes when they are not MLPs of `predictor_ranks`
+      (the low-bit predictor's codes of every row); None = from the ranks.
 
   Returns:
     DenseDeviceBytes (ints, bytes).
@@ -132,11 +135,18 @@ def dense_device_bytes(config: ModelConfig, *, max_seq_len: int, dtype_bytes: in
   attention = n_layers * per_layer_attn * dtype_bytes
   norms = (2 * n_layers + 1) * d * dtype_bytes
   ranks = _predictor_ranks(config, predictor_ranks)
-  predictors = sum(d * r + r * f for r in ranks) * PREDICTOR_DTYPE_BYTES
+  predictors = sum(d * r + r * f for r in ranks) * PREDICTOR_DTYPE_BYTES \
+      if predictor_bytes is None else _nonnegative_int("predictor_bytes", predictor_bytes)
   kv_cache = 2 * n_layers * max_seq_len * config.n_kv_heads * config.head_dim * kv_bytes
   return DenseDeviceBytes(embedding=int(embedding), lm_head=int(lm_head),
                           attention=int(attention), norms=int(norms),
                           predictors=int(predictors), kv_cache=int(kv_cache))
+
+
+def _nonnegative_int(name: str, value) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+    raise ConfigError(f"{name}={value!r} must be an integer >= 0.")
+  return int(value)
 
 
 def neuron_bytes(config: ModelConfig, dtype_bytes: int) -> int:
@@ -396,7 +406,8 @@ def place(config: ModelConfig, frequencies: np.ndarray, *, budget_bytes: int | f
           max_seq_len: int, dtype_bytes: int, predictor_ranks: Sequence[int], tile: int = 64,
           layer_weights: np.ndarray | None = None, hot_ratio: float | None = None,
           embedding_on_device: bool = True, kv_dtype_bytes: int | None = None,
-          predictor_neuron_bytes: int = 0) -> Placement:
+          predictor_neuron_bytes: int = 0,
+          predictor_bytes: int | None = None) -> Placement:
   """Places the dense part, then the hottest FFN neurons, within a device budget.
 
   Args:
@@ -415,6 +426,7 @@ def place(config: ModelConfig, frequencies: np.ndarray, *, budget_bytes: int | f
     predictor_neuron_bytes: device bytes each hot neuron adds for its predictor (the low-bit
       predictor's 4-bit gate/up codes of the hot rows: `pijax.offline.predictor.lowbit_bytes`
       of one neuron); 0 for MLP predictors, counted in the dense part by their ranks.
+    predictor_bytes: see `dense_device_bytes`.
 
   Returns:
     Placement with device_bytes <= budget_bytes.
@@ -438,12 +450,9 @@ def place(config: ModelConfig, frequencies: np.ndarray, *, budget_bytes: int | f
   dense = dense_device_bytes(config, max_seq_len=max_seq_len, dtype_bytes=dtype_bytes,
                              predictor_ranks=predictor_ranks,
                              embedding_on_device=embedding_on_device,
-                             kv_dtype_bytes=kv_dtype_bytes)
-  if isinstance(predictor_neuron_bytes, bool) or int(predictor_neuron_bytes) != \
-      predictor_neuron_bytes or predictor_neuron_bytes < 0:
-    raise ConfigError(f"predictor_neuron_bytes={predictor_neuron_bytes!r} must be an integer "
-                      ">= 0.")
-  one_neuron = neuron_bytes(config, dtype_bytes) + int(predictor_neuron_bytes)
+                             kv_dtype_bytes=kv_dtype_bytes, predictor_bytes=predictor_bytes)
+  one_neuron = neuron_bytes(config, dtype_bytes) + _nonnegative_int("predictor_neuron_bytes",
+                                                                   predictor_neuron_bytes)
   if not no_budget and dense.total > budget_bytes:
     remedies = ["raise --device_budget_gb", "lower --max_seq_len"]
     if dtype_bytes > 2:
