@@ -155,7 +155,8 @@ def for_model(model, mode: str = hybrid_lib.MODE_OFF, *, hot_ratio: float | None
       kind = hybrid_lib.resolve_predictor_kind(model, predictor_kind)
     hot_counts = replace_counts(
         model, hot_ratio=hot_ratio, device_budget_gb=device_budget_gb, predictor_kind=kind,
-        host_predict=not overlap if host_predict is None else bool(host_predict))
+        host_predict=hybrid_lib.default_host_predict(kind, overlap) if host_predict is None
+        else bool(host_predict))
   spec, params = hybrid_lib.build_hybrid(
       model, mode=mode, hot_counts=hot_counts, oracle_threshold=oracle_threshold,
       threshold_scale=threshold_scale, cut_offset=cut_offset, predictor_kind=predictor_kind,

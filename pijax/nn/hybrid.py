@@ -308,8 +308,8 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
   if overlap and host_predict:
     raise ConfigError("--overlap runs a device-predicted host part in a worker thread; it does "
                       "not combine with --host_predict (pass --nohost_predict with --overlap).")
-  if host_predict is None:  # Default: on for the low-bit predictor, unless --overlap asks.
-    host_predict = predictor_kind == predictor_lib.PREDICTOR_LOWBIT and not overlap
+  if host_predict is None:
+    host_predict = default_host_predict(predictor_kind, overlap)
   host_predict = bool(host_predict) and mode == MODE_PREDICTOR and \
       predictor_kind == predictor_lib.PREDICTOR_LOWBIT
   if int(prefill_dense_tokens) < 0:
@@ -378,6 +378,11 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
                     overlap=bool(overlap), host_predict=host_predict,
                     overlap_worker=bridge.Overlap() if overlap else None)
   return spec, params
+
+
+def default_host_predict(predictor_kind: str, overlap: bool) -> bool:
+  """--host_predict's default: on for the low-bit predictor, unless --overlap asks."""
+  return predictor_kind == predictor_lib.PREDICTOR_LOWBIT and not overlap
 
 
 def resolve_predictor_kind(model, kind: str) -> str:
