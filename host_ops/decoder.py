@@ -264,10 +264,48 @@ def _layer_matmul_overload(w, i, x, out, int8):
   return q8_0 if qdot.AVAILABLE else q8_0_f32
 
 
+def _layer_gated(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
+  """(y, active) of the gate-first FFN of layer i (numba only; see the overload below)."""
+  raise NotImplementedError("_layer_gated runs inside numba-compiled code only")
+
+
+@numba_extending.overload(_layer_gated, jit_options=_common._JIT)
+def _layer_gated_overload(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
+  """`gated_ffn.gated_ffn`'s kernel choice for stacked up rows (Q4_1 (qs, d, m) or Q8_0 (q, d),
+  each [L, F, ...]) and stacked neuron-major Q8_0 down rows dt_q i8[L, F, D], dt_d f32[L, F,
+  D/32]; the integer kernel only where qdot.AVAILABLE."""
+  block = np.int64(qmatmul.BLOCK)
+  if len(up_w) == 3:
+    def q4_1(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
+      if int8:
+        return gated_lib._gated_int8_kernel(g, h, up_w[0][i], up_w[1][i], up_w[2][i], dt_q[i],
+                                            dt_d[i], cut, code, n_threads, block, True)
+      return gated_lib._gated_q4_1_kernel(g, h, up_w[0][i], up_w[1][i], up_w[2][i], dt_q[i],
+                                          dt_d[i], cut, code, n_threads, block)
+
+    def q4_1_f32(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
+      return gated_lib._gated_q4_1_kernel(g, h, up_w[0][i], up_w[1][i], up_w[2][i], dt_q[i],
+                                          dt_d[i], cut, code, n_threads, block)
+    return q4_1 if qdot.AVAILABLE else q4_1_f32
+
+  def q8_0(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
+    if int8:
+      return gated_lib._gated_int8_kernel(g, h, up_w[0][i], up_w[1][i], up_w[1][i], dt_q[i],
+                                          dt_d[i], cut, code, n_threads, block, False)
+    return gated_lib._gated_q8_0_kernel(g, h, up_w[0][i], up_w[1][i], dt_q[i], dt_d[i], cut,
+                                        code, n_threads, block)
+
+  def q8_0_f32(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
+    return gated_lib._gated_q8_0_kernel(g, h, up_w[0][i], up_w[1][i], dt_q[i], dt_d[i], cut,
+                                        code, n_threads, block)
+  return q8_0 if qdot.AVAILABLE else q8_0_f32
+
+
 @numba.njit(**_common._JIT)
 def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, down_w, extras,
                    cache_k, cache_v, pos, cos, sin, rope_of, windows, adjacent, n_heads, n_kv,
-                   head_dim, scale, eps, code, int8):
+                   head_dim, scale, eps, code, int8, cuts, dt_q, dt_d, active, passed,
+                   n_threads):
   """Every layer of the decoder in one compiled call (the same kernels, in the same order, as
   `HostDecoder.forward`'s per-layer loop, so the same result bit for bit, without ~8 Python
   calls per layer). x: f32[b t, D] embeddings -> f32[b t, D] after the last layer.
@@ -275,6 +313,9 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
   (qkv_bias f32[L, E], q_norm, k_norm f32[L, H], post_attn_norm, post_ffn_norm f32[L, D]), each
   [L, 0] when the family has none; cache_k, cache_v: f32[L, b, S, K, H]; cos, sin: f32[n, t, R/2]
   RoPE tables, layer i using table rope_of[i]; windows: i64[L] (0: global attention).
+  Gate-first FFN (`gated_ffn`) when cuts (f32[L]) is not empty: down rows neuron-major in dt_q,
+  dt_d ([L, F, ...] Q8_0); layer i's fraction of neurons computed (down rows read) is written
+  to active[i], of neurons whose gate passed (up rows read) to passed[i].
   (numba's disk cache keys this function on decoder.py only: after editing a kernel it calls
   in another file, clear host_ops/__pycache__/*.nb[ic].)"""
   rows = x.shape[0]
@@ -300,13 +341,23 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
       x = x + attn_proj
     h = _rms_norm_kernel(x, ffn_norms[i], eps)
     _layer_matmul(gate_w, i, h, g, int8)
-    _layer_matmul(up_w, i, h, u, int8)
-    _layer_matmul(down_w, i, _activation_kernel(g, u, code), ffn, int8)
+    if cuts.shape[0]:
+      ffn, counts, passed_i = _layer_gated(up_w, i, g, h, dt_q, dt_d, cuts[i], code, n_threads,
+                                           int8)
+      active[i] = counts.sum() / (rows * f)
+      passed[i] = passed_i.sum() / (rows * f)
+    else:
+      _layer_matmul(up_w, i, h, u, int8)
+      _layer_matmul(down_w, i, _activation_kernel(g, u, code), ffn, int8)
     if post_ffn.shape[1]:
       x = x + _rms_norm_kernel(ffn, post_ffn[i], eps)
     else:
       x = x + ffn
   return x
+
+
+# Placeholder neuron-major down rows for `_layers_kernel` when the gate-first FFN is off.
+_NO_DOWN_T = (np.zeros((0, 0, qmatmul.BLOCK), np.int8), np.zeros((0, 0, 1), np.float32))
 
 
 class HostDecoder:
@@ -366,8 +417,13 @@ class HostDecoder:
     self.embedding_scale = float(embedding_scale)
     self.gate_cuts = None  # Per-layer cuts when the gate-first sparse FFN is on (enable_gated).
     self._down_t = None  # Per-layer neuron-major Q8_0 down rows for it.
+    self._stacked_down_t = None  # The same rows stacked [L, F, ...] for `_layers_kernel`.
     self._record = None  # Calibration: per-layer lists of |act_gate(g)| (calibrate_gate_cuts).
     self.last_active = np.ones(len(layers), np.float32)  # Active FFN fraction, last forward.
+    self.last_passed = np.ones(len(layers), np.float32)  # Gate-passed fraction (up rows read).
+    # Sums over gate-first forward passes of mean(last_active), mean(last_passed): the up rows
+    # read per computed neuron, for the bytes per token (`ffn_bytes_per_token`).
+    self.read_sums = np.zeros(2)
     self.family = family
     self.eps = float(eps)
     self.embedding = embedding
@@ -487,6 +543,7 @@ class HostDecoder:
     if cuts is None:
       self.gate_cuts = None
       self.last_active[:] = 1.0
+      self.last_passed[:] = 1.0
       return
     if self.family == "geglu":
       raise HostOpError("the gate-first sparse FFN supports swiglu, reglu and drelu, not geglu")
@@ -496,6 +553,11 @@ class HostDecoder:
     if self._down_t is None:
       self._down_t = [qmatmul.quantize_q8_0(np.ascontiguousarray(layer.down.dequantize().T))
                       for layer in self.layers]
+      if self._stacked is not None:  # Stacked for `_layers_kernel`; each layer views its slice.
+        q, d = np.stack([w.arrays[0] for w in self._down_t]), \
+            np.stack([w.arrays[1] for w in self._down_t])
+        self._down_t = [qmatmul.QMatrix(qmatmul.Q8_0, (q[i], d[i])) for i in range(len(q))]
+        self._stacked_down_t = (q, d)
     self.gate_cuts = cuts
 
   def calibrate_gate_cuts(self, chunks, sparsity: float) -> list[float]:
@@ -517,14 +579,21 @@ class HostDecoder:
       self._record = None
       self.gate_cuts = saved
 
-  def ffn_bytes_per_token(self, active_fraction: float | None = None) -> int:
-    """FFN weight bytes one token reads (GGUF block bytes): dense, or gate-first at the given
-    active fraction (all gate rows, the active share of up rows and neuron-major down rows)."""
+  def ffn_bytes_per_token(self, active_fraction: float | None = None,
+                          passed_fraction: float | None = None) -> int:
+    """FFN weight bytes one token reads (GGUF block bytes): dense, or gate-first with
+    active_fraction of the neurons computed (their neuron-major Q8_0 down rows read) and
+    passed_fraction passing the gate (their up rows read; ReGLU/dReLU read more up rows than
+    down rows). passed_fraction None: active_fraction times the ratio measured over this
+    decoder's gate-first passes so far (`read_sums`), or active_fraction before any."""
     if active_fraction is None:
       return sum(w.file_bytes() for layer in self.layers for w in (layer.gate, layer.up,
                                                                     layer.down))
+    if passed_fraction is None:
+      active_sum, passed_sum = self.read_sums
+      passed_fraction = active_fraction * (passed_sum / active_sum if active_sum > 0 else 1.0)
     down_t = sum(layer.down.shape[0] * layer.down.shape[1] // 32 * 34 for layer in self.layers)
-    return int(sum(layer.gate.file_bytes() + active_fraction * layer.up.file_bytes()
+    return int(sum(layer.gate.file_bytes() + passed_fraction * layer.up.file_bytes()
                    for layer in self.layers) + active_fraction * down_t)
 
   # ------------------------------------------------------------------------- forward
@@ -577,12 +646,17 @@ class HostDecoder:
     x = self.embedding.rows_f32(tokens.reshape(-1))  # [b t, D]
     if self.embedding_scale != 1.0:
       x *= np.float32(self.embedding_scale)
-    if self._stacked is not None and self.gate_cuts is None and self._record is None:
-      _common.ensure_host_threads()
+    if self._stacked is not None and self._record is None:
+      n_threads = _common.ensure_host_threads()
+      if self.gate_cuts is None:
+        cuts, dt = np.zeros(0, np.float32), _NO_DOWN_T
+      else:
+        cuts, dt = np.asarray(self.gate_cuts, np.float32), self._stacked_down_t
       x = _layers_kernel(x, b, t, *self._stacked, cache.k, cache.v, pos, cos, sin,
                          self._rope_of, self.windows, self.rope_adjacent, n, k, hd,
                          np.float32(self.attn_scale), self.eps, self.code,
-                         self.dot == qmatmul.DOT_INT8)
+                         self.dot == qmatmul.DOT_INT8, cuts, *dt, self.last_active,
+                         self.last_passed, n_threads)
       layers = ()
     else:
       layers = self.layers
@@ -607,10 +681,14 @@ class HostDecoder:
         y = layer.down.matmul(_activation_kernel(g, layer.up.matmul(h, dot=dot), self.code),
                               dot=dot)
       else:
-        y, active = gated_lib.gated_ffn(g, h, layer.up, self._down_t[i], cut=self.gate_cuts[i],
-                                        family=self.family, dot=dot)
+        y, active, passed = gated_lib.gated_ffn(g, h, layer.up, self._down_t[i],
+                                                cut=self.gate_cuts[i], family=self.family,
+                                                dot=dot)
         self.last_active[i] = active.mean() / g.shape[1]
+        self.last_passed[i] = passed.mean() / g.shape[1]
       x = x + (self._norm(y, post_ffn) if post_ffn.size else y)
+    if self.gate_cuts is not None:
+      self.read_sums += (float(self.last_active.mean()), float(self.last_passed.mean()))
     if rows is not None:
       x = x[np.asarray(rows, np.int64)]
     return self.lm_head.matmul(self._norm(x, self.final_norm), dot=self.dot)

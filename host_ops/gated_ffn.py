@@ -16,8 +16,9 @@ The down projection is read neuron-major (`down_t`: row i = neuron i's output we
 stored re-quantized to Q8_0 from the file's values (the file's down blocks run along the neuron
 axis, where skipping cannot save bytes).
 
-Per-thread partial sums over contiguous shares of each row's active list, summed in thread
-order: bitwise reproducible for a fixed thread count. Layout: kernels -> `gated_ffn` (validates) -> reference.
+Two passes (`_up_pass`: the activations of the neurons the gate passes; `_down_pass`: the down
+rows of the nonzero ones), each thread on a contiguous share of a row's list; per-thread partial
+sums added in thread order: bitwise reproducible for a fixed thread count. Layout: kernels -> `gated_ffn` (validates) -> reference.
 """
 
 from __future__ import annotations
@@ -58,6 +59,26 @@ def _active_ids(g, cut, code):
   return ids, counts
 
 
+# Neurons ahead whose whole rows (codes and scales) a thread prefetches in each pass.
+AHEAD = 3
+
+
+@numba.njit(inline="always", **_common._JIT)
+def _prefetch_row(row):
+  for k in range(0, row.shape[0], max(64 // row.itemsize, 1)):
+    _common._prefetch(row, k)
+
+
+@numba.njit(inline="always", **_common._JIT)
+def _prefetch_rows(ids, j, hi, a, b, c):
+  """Prefetches every cache line of row ids[j] of the three arrays (nothing once j >= hi)."""
+  if j < hi:
+    i = ids[j]
+    _prefetch_row(a[i])
+    _prefetch_row(b[i])
+    _prefetch_row(c[i])
+
+
 @numba.njit(inline="always", **_common._JIT)
 def _add_row_q8_0(acc, a, q_row, d_row, block):
   """acc += a * dequant(q_row) (acc: f32[D]; q_row: i8[D]; d_row: f32[D/32]; block = 32 passed
@@ -70,113 +91,161 @@ def _add_row_q8_0(acc, a, q_row, d_row, block):
       acc[base + j] += s * np.float32(q_row[base + j])
 
 
-@numba.njit(parallel=True, **_common._JIT)
-def _gated_q4_1_kernel(g, h, up_qs, up_d, up_m, dt_q, dt_d, cut, code, n_threads, block):
-  """y[r] = sum over active i of act(g[r, i], up_i . h[r]) * down_t[i]; returns (y, counts).
+@numba.njit(inline="always", **_common._JIT)
+def _add_rows4_q8_0(acc, a, ids, dt_q, dt_d, block):
+  """acc += sum_k a[k] * dequant(dt_q[ids[k]]) for k < 4 in one pass over acc (one row at a
+  time loads and stores acc once per row: 7B shapes, 25% of the rows, 1.8 -> 1.4 ms)."""
+  q0, q1, q2, q3 = dt_q[ids[0]], dt_q[ids[1]], dt_q[ids[2]], dt_q[ids[3]]
+  d0, d1, d2, d3 = dt_d[ids[0]], dt_d[ids[1]], dt_d[ids[2]], dt_d[ids[3]]
+  for blk in range(d0.shape[0]):
+    base = blk * block
+    s0, s1, s2, s3 = a[0] * d0[blk], a[1] * d1[blk], a[2] * d2[blk], a[3] * d3[blk]
+    for j in range(block):
+      k = base + j
+      acc[k] += (s0 * np.float32(q0[k]) + s1 * np.float32(q1[k])) + \
+          (s2 * np.float32(q2[k]) + s3 * np.float32(q3[k]))
 
-  g: f32[b, F] gate pre-activations; h: f32[b, D]; up: Q4_1 rows [F, D]; down_t: Q8_0 rows [F, D].
-  Each thread takes a contiguous share of each row's active list, prefetching the next one's rows.
+
+@numba.njit(**_common._JIT)
+def _down_pass(acts, dt_q, dt_d, n_threads, block):
+  """Pass 2: y[r] = sum over i with acts[r, i] != 0 of acts[r, i] * down_t[i]; returns (y, counts).
+
+  Each thread takes a contiguous share of each row's nonzero list, whole rows prefetched AHEAD
+  neurons ahead, rows added four at a time (`_add_rows4_q8_0`) then the rest one by one."""
+  b, f = acts.shape
+  dim = dt_q.shape[1]
+  ids = np.empty((b, f), np.int32)
+  counts = np.zeros(b, np.int64)
+  for r in range(b):
+    c = 0
+    for i in range(f):
+      if acts[r, i] != 0:
+        ids[r, c] = i
+        c += 1
+    counts[r] = c
+  partials = np.zeros((n_threads, b, dim), np.float32)
+  _down_threads(acts, ids, counts, dt_q, dt_d, partials, n_threads, block)
+  y = partials[0].copy()  # Thread order: y = ((p0 + p1) + p2) ...
+  for t in range(1, n_threads):
+    y += partials[t]
+  return y, counts
+
+
+@numba.njit(parallel=True, **_common._JIT)
+def _down_threads(acts, ids, counts, dt_q, dt_d, partials, n_threads, block):
+  for t in numba.prange(n_threads):
+    four = np.empty(4, np.int64)
+    a4 = np.empty(4, np.float32)
+    for r in range(acts.shape[0]):
+      lo = t * counts[r] // n_threads
+      hi = (t + 1) * counts[r] // n_threads
+      for j in range(lo, min(lo + AHEAD, hi)):
+        _prefetch_rows(ids[r], j, hi, dt_q, dt_d, dt_d)
+      j = lo
+      while j < hi:
+        if j + 4 <= hi:
+          for k in range(4):
+            _prefetch_rows(ids[r], j + AHEAD + k, hi, dt_q, dt_d, dt_d)
+            four[k] = ids[r, j + k]
+            a4[k] = acts[r, four[k]]
+          _add_rows4_q8_0(partials[t, r], a4, four, dt_q, dt_d, block)
+          j += 4
+        else:
+          i = ids[r, j]
+          _add_row_q8_0(partials[t, r], acts[r, i], dt_q[i], dt_d[i], block)
+          j += 1
+
+
+@numba.njit(parallel=True, **_common._JIT)
+def _up_pass(g, h, up_w, up_d, up_m, cut, code, n_threads, q4):
+  """Pass 1: (acts f32[b, F]: act(g, up . h) for the neurons whose gate passes, 0 elsewhere;
+  passed i64[b]: how many passed, i.e. up rows read).
+
+  up: Q4_1 (q4 true: up_w nibbles u8[F, D/2], up_d, up_m f32[F, D/32]) or Q8_0 (up_w i8[F, D];
+  up_m unused), f32 dots. Each thread takes a contiguous share of each row's gate-active list,
+  whole rows prefetched AHEAD neurons ahead. Two passes, not one: prefetching a neuron's down
+  row before its up row says it is active wasted half the down reads on dReLU (7B shapes: 4.0
+  -> 3.1 ms per layer).
   """
   b, f = g.shape
-  dim = h.shape[1]
   ids, counts = _active_ids(g, cut, code)
   xlo, xhi, xsum = qmatmul.split_q4_1_x(h)
-  partials = np.zeros((n_threads, b, dim), np.float32)
-  done = np.zeros((n_threads, b), np.int64)
+  acts = np.zeros((b, f), np.float32)
   for t in numba.prange(n_threads):
     for r in range(b):
       lo = t * counts[r] // n_threads
       hi = (t + 1) * counts[r] // n_threads
+      for j in range(lo, min(lo + AHEAD, hi)):
+        _prefetch_rows(ids[r], j, hi, up_w, up_d, up_m)
       for j in range(lo, hi):
-        if j + 1 < hi:
-          nxt = ids[r, j + 1]
-          _common.prefetch_head(up_qs[nxt])
-          _common.prefetch_head(dt_q[nxt])
+        _prefetch_rows(ids[r], j + AHEAD, hi, up_w, up_d, up_m)
         i = ids[r, j]
-        u = qmatmul._dot_q4_1(up_qs[i], up_d[i], up_m[i], xlo[r], xhi[r], xsum[r])
-        a = _common.activation(g[r, i], u, code)
-        if a == 0:
-          continue
-        done[t, r] += 1
-        _add_row_q8_0(partials[t, r], a, dt_q[i], dt_d[i], block)
-  return _reduce(partials, done)
+        if q4:
+          u = qmatmul._dot_q4_1(up_w[i], up_d[i], up_m[i], xlo[r], xhi[r], xsum[r])
+        else:
+          u = qmatmul._dot_q8_0(up_w[i], up_d[i], h[r])
+        acts[r, i] = _common.activation(g[r, i], u, code)
+  return acts, counts
 
 
 @numba.njit(parallel=True, **_common._JIT)
+def _up_pass_int8(g, h, up_w, up_d, up_m, cut, code, n_threads, q4):
+  """`_up_pass` with up . h an integer dot on h quantized per block (`host_ops.qdot`; compiled
+  only where qdot.AVAILABLE)."""
+  b, f = g.shape
+  ids, counts = _active_ids(g, cut, code)
+  xq, dx, xsum = qdot.quantize_x(h)
+  acts = np.zeros((b, f), np.float32)
+  for t in numba.prange(n_threads):
+    for r in range(b):
+      lo = t * counts[r] // n_threads
+      hi = (t + 1) * counts[r] // n_threads
+      for j in range(lo, min(lo + AHEAD, hi)):
+        _prefetch_rows(ids[r], j, hi, up_w, up_d, up_m)
+      for j in range(lo, hi):
+        _prefetch_rows(ids[r], j + AHEAD, hi, up_w, up_d, up_m)
+        i = ids[r, j]
+        if q4:
+          u = qdot._row_dot_q4_1(up_w[i], up_d[i], xq[r], dx[r]) + qdot.offset_dot(up_m[i],
+                                                                                   xsum[r])
+        else:
+          u = qdot._row_dot_q8_0(up_w[i], up_d[i], xq[r], dx[r])
+        acts[r, i] = _common.activation(g[r, i], u, code)
+  return acts, counts
+
+
+@numba.njit(**_common._JIT)
+def _gated_q4_1_kernel(g, h, up_qs, up_d, up_m, dt_q, dt_d, cut, code, n_threads, block):
+  """y[r] = sum over active i of act(g[r, i], up_i . h[r]) * down_t[i]; returns (y, active
+  i64[b]: neurons with a nonzero activation, passed i64[b]: neurons whose gate passed).
+
+  g: f32[b, F] gate pre-activations; h: f32[b, D]; up: Q4_1 rows [F, D]; down_t: Q8_0 rows [F, D].
+  """
+  acts, passed = _up_pass(g, h, up_qs, up_d, up_m, cut, code, n_threads, True)
+  y, counts = _down_pass(acts, dt_q, dt_d, n_threads, block)
+  return y, counts, passed
+
+
+@numba.njit(**_common._JIT)
 def _gated_q8_0_kernel(g, h, up_q, up_d, dt_q, dt_d, cut, code, n_threads, block):
   """`_gated_q4_1_kernel` with Q8_0 up rows."""
-  b, f = g.shape
-  dim = h.shape[1]
-  ids, counts = _active_ids(g, cut, code)
-  partials = np.zeros((n_threads, b, dim), np.float32)
-  done = np.zeros((n_threads, b), np.int64)
-  for t in numba.prange(n_threads):
-    for r in range(b):
-      lo = t * counts[r] // n_threads
-      hi = (t + 1) * counts[r] // n_threads
-      for j in range(lo, hi):
-        if j + 1 < hi:
-          nxt = ids[r, j + 1]
-          _common.prefetch_head(up_q[nxt])
-          _common.prefetch_head(dt_q[nxt])
-        i = ids[r, j]
-        u = qmatmul._dot_q8_0(up_q[i], up_d[i], h[r])
-        a = _common.activation(g[r, i], u, code)
-        if a == 0:
-          continue
-        done[t, r] += 1
-        _add_row_q8_0(partials[t, r], a, dt_q[i], dt_d[i], block)
-  return _reduce(partials, done)
+  acts, passed = _up_pass(g, h, up_q, up_d, up_d, cut, code, n_threads, False)
+  y, counts = _down_pass(acts, dt_q, dt_d, n_threads, block)
+  return y, counts, passed
 
 
-@numba.njit(parallel=True, **_common._JIT)
+@numba.njit(**_common._JIT)
 def _gated_int8_kernel(g, h, up_w, up_d, up_m, dt_q, dt_d, cut, code, n_threads, block, q4):
   """`_gated_q4_1_kernel` with up . h as an integer dot on h quantized per block
   (`host_ops.qdot`); up_w: Q4_1 nibbles u8[F, D/2] (q4 true, up_m its offsets) or Q8_0 codes
   i8[F, D] (up_m unused)."""
-  b, f = g.shape
-  dim = h.shape[1]
-  ids, counts = _active_ids(g, cut, code)
-  xq, dx, xsum = qdot.quantize_x(h)
-  partials = np.zeros((n_threads, b, dim), np.float32)
-  done = np.zeros((n_threads, b), np.int64)
-  for t in numba.prange(n_threads):
-    for r in range(b):
-      lo = t * counts[r] // n_threads
-      hi = (t + 1) * counts[r] // n_threads
-      for j in range(lo, hi):
-        if j + 1 < hi:
-          nxt = ids[r, j + 1]
-          _common.prefetch_head(up_w[nxt])
-          _common.prefetch_head(dt_q[nxt])
-        i = ids[r, j]
-        if q4:
-          u = qdot._row_dot_q4_1(up_w[i], up_d[i], xq[r], dx[r])
-          for blk in range(up_m.shape[1]):
-            u += up_m[i, blk] * xsum[r, blk]
-        else:
-          u = qdot._row_dot_q8_0(up_w[i], up_d[i], xq[r], dx[r])
-        a = _common.activation(g[r, i], u, code)
-        if a == 0:
-          continue
-        done[t, r] += 1
-        _add_row_q8_0(partials[t, r], a, dt_q[i], dt_d[i], block)
-  return _reduce(partials, done)
-
-
-@numba.njit(**_common._JIT)
-def _reduce(partials, counts):
-  """Thread-order sum: y = ((p0 + p1) + p2) ...; active counts per row."""
-  y = partials[0].copy()
-  total = counts[0].copy()
-  for t in range(1, partials.shape[0]):
-    y += partials[t]
-    total += counts[t]
-  return y, total
+  acts, passed = _up_pass_int8(g, h, up_w, up_d, up_m, cut, code, n_threads, q4)
+  y, counts = _down_pass(acts, dt_q, dt_d, n_threads, block)
+  return y, counts, passed
 
 
 def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float, family: str,
-              dot: str = qmatmul.DOT_F32) -> tuple[np.ndarray, np.ndarray]:
+              dot: str = qmatmul.DOT_F32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """The gate-first sparse FFN (module docstring).
 
   Args:
@@ -189,7 +258,8 @@ def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
       qdot.AVAILABLE is False).
 
   Returns:
-    (y: f32[b, D], active: i64[b] neurons computed per row).
+    (y: f32[b, D], active: i64[b] neurons with a nonzero activation per row (down rows read),
+    passed: i64[b] neurons whose gate passed (up rows read)).
 
   Raises:
     HostOpError: shapes or formats that do not match, an unknown dot.
@@ -219,7 +289,8 @@ def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
 
 
 def gated_ffn_reference(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
-                        family: str, dot: str = qmatmul.DOT_F32) -> tuple[np.ndarray, np.ndarray]:
+                        family: str, dot: str = qmatmul.DOT_F32
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Float64 NumPy reference of `gated_ffn` (dot "int8": up . h as `qdot.matmul_reference`)."""
   g = np.asarray(g, np.float64)
   if dot == qmatmul.DOT_INT8 and qdot.AVAILABLE:
@@ -234,4 +305,4 @@ def gated_ffn_reference(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, c
     keep = g > 0
   a = np.where(keep, a, 0.0)
   y = a @ qmatmul.dequantize_reference(down_t)
-  return y.astype(np.float32), (a != 0).sum(axis=1)
+  return y.astype(np.float32), (a != 0).sum(axis=1), keep.sum(axis=1)

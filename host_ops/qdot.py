@@ -168,6 +168,23 @@ def _prefetch_row(row):
     _common._prefetch(row, e)
 
 
+@numba.njit(inline="always", **_common._JIT)
+def offset_dot(m_row, xsum_row):
+  """sum_b m_row[b] * xsum_row[b] (Q4_1's offset term) in four partial sums: one f32 chain was
+  a latency-bound 128-add dependency per 7B row (gate gemv from DRAM 2.04 -> 1.92 ms)."""
+  n = m_row.shape[0]
+  s0 = s1 = s2 = s3 = np.float32(0.0)
+  n4 = n - n % 4
+  for b in range(0, n4, 4):
+    s0 += m_row[b] * xsum_row[b]
+    s1 += m_row[b + 1] * xsum_row[b + 1]
+    s2 += m_row[b + 2] * xsum_row[b + 2]
+    s3 += m_row[b + 3] * xsum_row[b + 3]
+  for b in range(n4, n):
+    s0 += m_row[b] * xsum_row[b]
+  return (s0 + s1) + (s2 + s3)
+
+
 @numba.njit(parallel=True, **_common._JIT)
 def gemv_q4_1(qs, d, m, x, out):
   """out[r, i] = W[i] . x[r] with x quantized per block. qs: u8[n, D/2]; d, m: f32[n, D/32];
@@ -178,10 +195,7 @@ def gemv_q4_1(qs, d, m, x, out):
     if i + 1 < n:
       _prefetch_row(qs[i + 1])
     for r in range(x.shape[0]):
-      bias = np.float32(0.0)
-      for b in range(m.shape[1]):
-        bias += m[i, b] * xsum[r, b]
-      out[r, i] = _row_dot_q4_1(qs[i], d[i], xq[r], dx[r]) + bias
+      out[r, i] = _row_dot_q4_1(qs[i], d[i], xq[r], dx[r]) + offset_dot(m[i], xsum[r])
 
 
 @numba.njit(parallel=True, **_common._JIT)

@@ -85,8 +85,13 @@ def bench_prefill(model, n_prompt: int, reps: int, seed: int = 0) -> BenchResult
   return BenchResult(f"pp{n_prompt}", rates, compile_s, 1.0 - float(np.mean(active)))
 
 
-def bench_decode(model, n_gen: int, reps: int, seed: int = 0) -> BenchResult:
-  """tg<n_gen>: tokens/s of n_gen decode steps after a 1-token prompt, mean over reps."""
+def bench_decode(model, n_gen: int, reps: int, seed: int = 0, switch=None):
+  """tg<n_gen>: tokens/s of n_gen decode steps after a 1-token prompt, mean over reps.
+
+  switch: None, or switch(sparse: bool) turning the loaded model's sparse FFN on or off; then
+  every repetition times the dense FFN and then the sparse one, interleaved in this process on
+  the same weights, and the result is (sparse, dense) BenchResults.
+  """
   if not 1 <= n_gen < model.max_seq_len:
     raise ConfigError(f"-n {n_gen} must be in [1, max_seq_len={model.max_seq_len}).")
   kv_len = model.kv_bucket(n_gen + 1)
@@ -97,8 +102,8 @@ def bench_decode(model, n_gen: int, reps: int, seed: int = 0) -> BenchResult:
            jax.random.PRNGKey(seed), sparams, recent)
   exe, compile_s = _compiled(model, "decode", kv_len, args0)
   model.release_cache(args0[1])
-  rates, active = [], []
-  for rep in range(reps + 1):
+
+  def one_rep() -> tuple[float, float]:
     cache, token, key = model.new_cache(1), first, jax.random.PRNGKey(seed)
     steps = []
     t0 = time.perf_counter()
@@ -107,11 +112,28 @@ def bench_decode(model, n_gen: int, reps: int, seed: int = 0) -> BenchResult:
                                    key, sparams, recent)
       steps.append(act)
     jax.block_until_ready(token)
+    rate = n_gen / (time.perf_counter() - t0)
     model.release_cache(cache)
-    if rep:
-      rates.append(n_gen / (time.perf_counter() - t0))
-      active.append(float(np.mean(np.asarray(jnp.stack(steps)))))
-  return BenchResult(f"tg{n_gen}", rates, compile_s, 1.0 - float(np.mean(active)))
+    return rate, float(np.mean(np.asarray(jnp.stack(steps))))
+
+  modes = (None,) if switch is None else (False, True)
+  rates = {m: [] for m in modes}
+  active = {m: [] for m in modes}
+  try:
+    for rep in range(reps + 1):
+      for m in modes:
+        if switch is not None:
+          switch(m)
+        rate, act = one_rep()
+        if rep:
+          rates[m].append(rate)
+          active[m].append(act)
+  finally:
+    if switch is not None:
+      switch(True)
+  results = {m: BenchResult(f"tg{n_gen}", rates[m], compile_s, 1.0 - float(np.mean(active[m])))
+             for m in modes}
+  return results[None] if switch is None else (results[True], results[False])
 
 
 def weight_bytes_per_token(model, ffn_sparsity: float) -> tuple[int, int]:
@@ -129,25 +151,43 @@ def weights_size_bytes(model) -> int:
   return model.backend.weight_bytes()
 
 
-def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int) -> list[dict[str, Any]]:
-  rows = []
+def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
+        interleave_dense: bool = False) -> list[dict[str, Any]]:
+  """The bench rows (dicts). interleave_dense: with the host gate-first sparse FFN on, tg also
+  times the same model's dense FFN in alternate repetitions (a row with mode "off", and
+  "vs_dense" on the sparse row: the ratio of mean tokens/s). Raises ConfigError when
+  interleave_dense is asked for any other mode."""
+  switch = None
+  if interleave_dense:
+    if model.sparse_mode != "gate" or not n_gen:
+      raise ConfigError("--interleave_dense times the dense FFN beside --gate_sparse decode: "
+                        "add --gate_sparse (host weights) and -n > 0, or drop it.")
+    dec = model.backend.decoder
+    cuts = list(dec.gate_cuts)
+    switch = lambda sparse: dec.enable_gated(cuts if sparse else None)  # noqa: E731
   tests = []
   if n_prompt:
-    tests.append(bench_prefill(model, n_prompt, reps))
+    tests.append((bench_prefill(model, n_prompt, reps), model.sparse_mode))
   if n_gen:
-    tests.append(bench_decode(model, n_gen, reps))
+    r = bench_decode(model, n_gen, reps, switch=switch)
+    tests += [(r[0], "gate"), (r[1], "off")] if switch else [(r, model.sparse_mode)]
   size = weights_size_bytes(model)
-  for r in tests:
+  rows = []
+  for r, mode in tests:
     row = {"model": model.path, "size_gib": size / 2 ** 30, "weights": weights_label(model),
            "params_m": model.config.n_params() / 1e6,
-           "backend": jax.default_backend(), "threads": threads, "mode": model.sparse_mode,
+           "backend": jax.default_backend(), "threads": threads, "mode": mode,
            "test": r.test, "t_s_mean": r.mean, "t_s_sd": r.sd, "compile_s": r.compile_s,
            "ffn_sparsity": r.ffn_sparsity, "reps": len(r.tokens_per_s)}
     if r.test.startswith("tg"):
       read, dense = weight_bytes_per_token(model, r.ffn_sparsity)
+      if mode == "off":
+        read = dense
       row.update(weight_bytes_per_token=read, dense_weight_bytes_per_token=dense,
                  implied_gb_s=read * r.mean / 1e9, ideal_speedup=dense / read)
     rows.append(row)
+  if switch:
+    rows[-2]["vs_dense"] = rows[-2]["t_s_mean"] / rows[-1]["t_s_mean"]
   return rows
 
 
@@ -168,6 +208,10 @@ def format_markdown(rows: list[dict[str, Any]]) -> str:
                 f"(dense {r['dense_weight_bytes_per_token'] / 1e6:.1f} MB), implied "
                 f"{r['implied_gb_s']:.1f} GB/s, ideal speedup vs dense "
                 f"{r['ideal_speedup']:.2f}x")
+    if "vs_dense" in r:
+      gain = (r["vs_dense"] - 1) / (r["ideal_speedup"] - 1) if r["ideal_speedup"] > 1 else 0.0
+      extra += (f"; vs the dense FFN interleaved in this process {r['vs_dense']:.3f}x "
+                f"({100 * gain:.0f}% of the ideal gain)")
     out.append(extra)
   return "\n".join(out)
 
@@ -184,6 +228,9 @@ def define_flags(threads_help: str = "Host threads (numba; XLA uses every core).
   flags.DEFINE_integer("repetitions", 5, "Timed repetitions after one warm-up.", short_name="r")
   flags.DEFINE_integer("threads", None, threads_help, short_name="t")
   flags.DEFINE_string("output", "md", "md or json.", short_name="o")
+  flags.DEFINE_bool("interleave_dense", False, "With --gate_sparse: also time the same loaded "
+                    "model's dense FFN, alternating repetitions in this process, and print the "
+                    "sparse/dense ratio (steadier than two runs on a noisy machine).")
 
 
 def check_flags(f) -> None:
@@ -227,7 +274,8 @@ def main(argv: list[str]) -> None:
   f = flags.FLAGS
   check_flags(f)
   model, threads = load_for_bench(f)
-  rows = run(model, n_prompt=f.n_prompt, n_gen=f.n_gen, reps=f.repetitions, threads=threads)
+  rows = run(model, n_prompt=f.n_prompt, n_gen=f.n_gen, reps=f.repetitions, threads=threads,
+             interleave_dense=f.interleave_dense)
   if f.output == "json":
     sys.stdout.write(json.dumps(rows, indent=1) + "\n")
   else:

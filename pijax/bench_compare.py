@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pijax import bench as bench_lib
-from pijax.errors import PijaxError
+from pijax.errors import ConfigError, PijaxError
 
 MISSING_LLAMA_CPP = ("llama-cpp-python is not installed: run `make bench-compare` "
                      "(installs the compare extra)")
@@ -226,6 +226,9 @@ def main(argv: list[str]) -> None:
   from absl import flags
   f = flags.FLAGS
   bench_lib.check_flags(f)
+  if f.interleave_dense:
+    raise ConfigError("--interleave_dense is pijax.bench's (sparse vs dense in one process); "
+                      "bench_compare alternates pijax with llama.cpp: drop it.")
   llama_cpp = import_llama_cpp()  # Before the (slow) pijax load.
   model, threads = bench_lib.load_for_bench(f)
   llm = make_llama(gguf_path(model), threads=threads, n_ctx=max(f.n_prompt, f.n_gen + 1))

@@ -165,25 +165,38 @@ def test_decoder_prefill_then_decode_matches_reference(kind, adjacent, family, d
 
 @pytest.mark.parametrize("dot", ["f32", "int8"])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_decoder_fused_layers_equal_per_layer_loop(kind, dot):
+@pytest.mark.parametrize("family", [None, "swiglu", "drelu"])
+def test_decoder_fused_layers_equal_per_layer_loop(kind, dot, family):
   """The one-call layer loop (`_layers_kernel`, used when every layer has the same formats)
   gives the per-layer Python loop's logits bit for bit, for prefill (many-row kernels) and
-  decode (gemv), and the layers' matrices view the stacked arrays (nothing held twice)."""
+  decode (gemv), dense (family None) and with the gate-first FFN (calibrated SwiGLU cuts, exact
+  dReLU), with the same active fractions; the layers' matrices view the stacked arrays (nothing
+  held twice)."""
   rng = np.random.default_rng(5)
-  dec = _tiny_decoder(rng, kind, adjacent=True, dot=dot)
+  dec = _tiny_decoder(rng, kind, adjacent=True, dot=dot, family=family or "swiglu")
   assert dec._stacked is not None
   assert np.shares_memory(dec.layers[1].down.arrays[0],
                           dec._stacked[2 + dec._ROLES.index("down")][0])
   assert np.shares_memory(dec.layers[0].attn_norm, dec._stacked[0])
+  if family is not None:
+    cuts = dec.calibrate_gate_cuts([rng.integers(0, 50, 12) for _ in range(3)], 0.4)
+    dec.enable_gated(cuts)
+    assert np.shares_memory(dec._down_t[1].arrays[0], dec._stacked_down_t[0])
   tokens = rng.integers(0, 50, (2, 12))
-  runs = []
+  runs, actives = [], []
   for stacked in (dec._stacked, None):
     dec._stacked = stacked
     cid = dec.new_cache(2, 16)
     runs.append([dec.forward(cid, tokens[:, :10], 0),
                  dec.forward(cid, tokens[:, 10:11], 10), dec.forward(cid, tokens[:, 11:], 11)])
+    actives.append(dec.last_active.copy())
   for fused, loop in zip(*runs):
     np.testing.assert_array_equal(fused, loop)
+  np.testing.assert_allclose(actives[0], actives[1], rtol=1e-6)
+  if family is None:
+    assert (actives[0] == 1).all()
+  else:
+    assert (actives[0] > 0).all() and (actives[0] < 1).all()
 
 
 def test_decoder_mixed_formats_run_the_per_layer_loop():
@@ -210,10 +223,14 @@ def test_gated_ffn_matches_reference(kind, family, cut, dot):
   down_t = qmatmul.quantize_q8_0(rng.standard_normal((96, 64)).astype(np.float32))
   h = rng.standard_normal((3, 64)).astype(np.float32)
   g = rng.standard_normal((3, 96)).astype(np.float32)
-  y, active = gated_ffn.gated_ffn(g, h, up, down_t, cut=cut, family=family, dot=dot)
-  ref, ref_active = gated_ffn.gated_ffn_reference(g, h, up, down_t, cut=cut, family=family,
-                                                  dot=dot)
+  y, active, passed = gated_ffn.gated_ffn(g, h, up, down_t, cut=cut, family=family, dot=dot)
+  ref, ref_active, ref_passed = gated_ffn.gated_ffn_reference(g, h, up, down_t, cut=cut,
+                                                              family=family, dot=dot)
   np.testing.assert_array_equal(active, ref_active)
+  np.testing.assert_array_equal(passed, ref_passed)
+  assert (passed >= active).all()
+  if family == "drelu":  # Up rows read for g > 0; down rows only where u > 0 too.
+    assert (passed > active).all()
   np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(ref).max()))
   if cut >= 1e9:
     assert (active == 0).all() and (y == 0).all()
@@ -247,6 +264,19 @@ def test_decoder_gated_matches_reference(family, dot):
   _assert_logits_match(np.concatenate(got), ref, dec.dot)
   dense = dec.bytes_per_token()
   assert dec.bytes_per_token(0.5) < dense
+  # Bytes count up rows for the neurons whose gate passed: dReLU reads more up rows than down.
+  active_sum, passed_sum = dec.read_sums
+  if family == "drelu":
+    assert passed_sum > active_sum > 0
+  else:
+    assert passed_sum == pytest.approx(active_sum)
+  gate = sum(layer.gate.file_bytes() for layer in dec.layers)
+  up = sum(layer.up.file_bytes() for layer in dec.layers)
+  down_t = sum(layer.down.shape[0] * layer.down.shape[1] // 32 * 34 for layer in dec.layers)
+  assert dec.ffn_bytes_per_token(0.25, 0.5) == pytest.approx(gate + 0.5 * up + 0.25 * down_t,
+                                                             abs=1)
+  assert dec.ffn_bytes_per_token(0.25) == pytest.approx(
+      gate + 0.25 * passed_sum / active_sum * up + 0.25 * down_t, abs=1)
   dec.enable_gated(None)
   assert dec.gate_cuts is None and dec.bytes_per_token() == dense
   with pytest.raises(HostOpError):

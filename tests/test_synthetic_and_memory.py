@@ -1,6 +1,7 @@
 """The synthetic 7B-shaped GGUF generator (run here at a tiny shape) and host-path memory: a run on
 host weights never reads the dense f32 tree."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -49,6 +50,42 @@ def test_synthetic_drelu_file_runs_sparse_on_host(tmp_path):
   assert not model.params_loaded
   assert len(model.generate(ids, max_new_tokens=6, temperature=0.0).token_ids) == \
       len(dense.token_ids)
+
+
+def test_bench_interleaves_dense_and_gate_sparse_decode(tmp_path):
+  """`pijax.bench --gate_sparse --interleave_dense` on the tiny dReLU file: a gate row and a
+  dense row from one process, the ratio on the gate row, bytes that count every up row read
+  (about half the neurons pass the gate, a quarter are computed); refused without
+  --gate_sparse (exit 2, one line)."""
+  path = tmp_path / "syn.gguf"
+  synthetic.write(str(path), shape="tiny", qtype="Q4_1", activation="drelu")
+  bench = [sys.executable, "-m", "pijax.bench", "-m", str(path), "-p", "0", "-n", "6", "-r", "2",
+           "-t", "1"]
+  proc = subprocess.run(bench + ["--gate_sparse", "--interleave_dense", "-o", "json"],
+                        capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  gate, dense = json.loads(proc.stdout)
+  assert (gate["mode"], dense["mode"]) == ("gate", "off")
+  assert gate["reps"] == dense["reps"] == 2 and dense["ffn_sparsity"] == 0.0
+  assert 0.6 < gate["ffn_sparsity"] < 0.85
+  assert gate["vs_dense"] == pytest.approx(gate["t_s_mean"] / dense["t_s_mean"])
+  assert dense["weight_bytes_per_token"] == dense["dense_weight_bytes_per_token"]
+  import pijax
+  model = pijax.load(path, max_seq_len=64)
+  model.configure_host_weights("auto", gate_sparse=True, dot="int8")
+  dec = model.backend.decoder
+  dec.forward(dec.new_cache(1, 8), np.asarray([[1, 5, 9, 300, 42]]), 0)
+  active = 1 - gate["ffn_sparsity"]
+  passed_over_active = dec.read_sums[1] / dec.read_sums[0]
+  assert 1.5 < passed_over_active < 2.6  # dReLU: up rows for g > 0, down rows for u > 0 too.
+  # Gate rows and attention in full, up rows for the passed neurons, down rows for the active.
+  want = dec.bytes_per_token() - dec.ffn_bytes_per_token() + dec.ffn_bytes_per_token(
+      active, active * passed_over_active)
+  assert gate["weight_bytes_per_token"] == pytest.approx(want, rel=0.05)
+  proc = subprocess.run(bench + ["--interleave_dense"], capture_output=True, text=True,
+                        timeout=600, cwd=ROOT)
+  assert proc.returncode == 2 and "--interleave_dense" in proc.stderr
+  assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0
 
 
 def test_synthetic_cli_refuses_a_missing_folder(tmp_path):
