@@ -271,34 +271,25 @@ def _layer_gated(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
 
 @numba_extending.overload(_layer_gated, jit_options=_common._JIT)
 def _layer_gated_overload(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
-  """`gated_ffn.gated_ffn`'s kernel choice for stacked up rows (Q4_1 (qs, d, m) or Q8_0 (q, d),
-  each [L, F, ...]) and stacked neuron-major Q8_0 down rows dt_q i8[L, F, D], dt_d f32[L, F,
-  D/32]; the integer kernel only where qdot.AVAILABLE."""
+  """`gated_ffn.gated_ffn`'s kernel for stacked up rows (Q4_1 (qs, d, m) or Q8_0 (q, d), each
+  [L, F, ...]) and stacked neuron-major Q8_0 down rows dt_q i8[L, F, D], dt_d f32[L, F, D/32];
+  the integer kernel only where qdot.AVAILABLE."""
   block = np.int64(qmatmul.BLOCK)
-  if len(up_w) == 3:
-    def q4_1(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
-      if int8:
-        return gated_lib._gated_int8_kernel(g, h, up_w[0][i], up_w[1][i], up_w[2][i], dt_q[i],
-                                            dt_d[i], cut, code, n_threads, block, True)
-      return gated_lib._gated_q4_1_kernel(g, h, up_w[0][i], up_w[1][i], up_w[2][i], dt_q[i],
-                                          dt_d[i], cut, code, n_threads, block)
+  q4 = len(up_w) == 3
+  m = 2 if q4 else 1  # Q8_0: its scales stand in for the offsets, never read.
+  if not qdot.AVAILABLE:
+    def f32_only(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
+      return gated_lib._gated_kernel(g, h, up_w[0][i], up_w[1][i], up_w[m][i], dt_q[i], dt_d[i],
+                                     cut, code, n_threads, block, q4)
+    return f32_only
 
-    def q4_1_f32(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
-      return gated_lib._gated_q4_1_kernel(g, h, up_w[0][i], up_w[1][i], up_w[2][i], dt_q[i],
-                                          dt_d[i], cut, code, n_threads, block)
-    return q4_1 if qdot.AVAILABLE else q4_1_f32
-
-  def q8_0(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
+  def impl(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
     if int8:
-      return gated_lib._gated_int8_kernel(g, h, up_w[0][i], up_w[1][i], up_w[1][i], dt_q[i],
-                                          dt_d[i], cut, code, n_threads, block, False)
-    return gated_lib._gated_q8_0_kernel(g, h, up_w[0][i], up_w[1][i], dt_q[i], dt_d[i], cut,
-                                        code, n_threads, block)
-
-  def q8_0_f32(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
-    return gated_lib._gated_q8_0_kernel(g, h, up_w[0][i], up_w[1][i], dt_q[i], dt_d[i], cut,
-                                        code, n_threads, block)
-  return q8_0 if qdot.AVAILABLE else q8_0_f32
+      return gated_lib._gated_int8_kernel(g, h, up_w[0][i], up_w[1][i], up_w[m][i], dt_q[i],
+                                          dt_d[i], cut, code, n_threads, block, q4)
+    return gated_lib._gated_kernel(g, h, up_w[0][i], up_w[1][i], up_w[m][i], dt_q[i], dt_d[i],
+                                   cut, code, n_threads, block, q4)
+  return impl
 
 
 @numba.njit(**_common._JIT)
@@ -551,14 +542,20 @@ class HostDecoder:
     if len(cuts) != self.n_layers or not all(c >= 0 and np.isfinite(c) for c in cuts):
       raise HostOpError(f"enable_gated needs {self.n_layers} finite cuts >= 0, got {cuts}")
     if self._down_t is None:
-      self._down_t = [qmatmul.quantize_q8_0(np.ascontiguousarray(layer.down.dequantize().T))
-                      for layer in self.layers]
-      if self._stacked is not None:  # Stacked for `_layers_kernel`; each layer views its slice.
-        q, d = np.stack([w.arrays[0] for w in self._down_t]), \
-            np.stack([w.arrays[1] for w in self._down_t])
-        self._down_t = [qmatmul.QMatrix(qmatmul.Q8_0, (q[i], d[i])) for i in range(len(q))]
-        self._stacked_down_t = (q, d)
+      down_t = []
+      for i, layer in enumerate(self.layers):  # One layer's f32 copy at a time.
+        w = qmatmul.quantize_q8_0(np.ascontiguousarray(layer.down.dequantize().T))
+        if self._stacked is not None:  # Stacked for `_layers_kernel`; each layer views its slice.
+          if i == 0:
+            self._stacked_down_t = tuple(np.empty((self.n_layers,) + a.shape, a.dtype)
+                                         for a in w.arrays)
+          for stacked, a in zip(self._stacked_down_t, w.arrays):
+            stacked[i] = a
+          w = qmatmul.QMatrix(qmatmul.Q8_0, tuple(a[i] for a in self._stacked_down_t))
+        down_t.append(w)
+      self._down_t = down_t
     self.gate_cuts = cuts
+    self._cuts = np.asarray(cuts, np.float32)  # What `_layers_kernel` reads, once, not per pass.
 
   def calibrate_gate_cuts(self, chunks, sparsity: float) -> list[float]:
     """Per-layer cuts on |act_gate(gate . h)| that skip `sparsity` of the FFN neurons on the
@@ -651,7 +648,7 @@ class HostDecoder:
       if self.gate_cuts is None:
         cuts, dt = np.zeros(0, np.float32), _NO_DOWN_T
       else:
-        cuts, dt = np.asarray(self.gate_cuts, np.float32), self._stacked_down_t
+        cuts, dt = self._cuts, self._stacked_down_t
       x = _layers_kernel(x, b, t, *self._stacked, cache.k, cache.v, pos, cos, sin,
                          self._rope_of, self.windows, self.rope_adjacent, n, k, hd,
                          np.float32(self.attn_scale), self.eps, self.code,

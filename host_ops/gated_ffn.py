@@ -64,19 +64,19 @@ AHEAD = 3
 
 
 @numba.njit(inline="always", **_common._JIT)
-def _prefetch_row(row):
-  for k in range(0, row.shape[0], max(64 // row.itemsize, 1)):
-    _common._prefetch(row, k)
+def _prefetch_at(ids, j, hi, rows):
+  """Prefetches every cache line of rows[ids[j]] (nothing once j >= hi)."""
+  if j < hi:
+    _common.prefetch_row(rows[ids[j]])
 
 
 @numba.njit(inline="always", **_common._JIT)
-def _prefetch_rows(ids, j, hi, a, b, c):
-  """Prefetches every cache line of row ids[j] of the three arrays (nothing once j >= hi)."""
-  if j < hi:
-    i = ids[j]
-    _prefetch_row(a[i])
-    _prefetch_row(b[i])
-    _prefetch_row(c[i])
+def _prefetch_up(ids, j, hi, up_w, up_d, up_m, q4):
+  """Prefetches up row ids[j]: codes, scales and (Q4_1) offsets."""
+  _prefetch_at(ids, j, hi, up_w)
+  _prefetch_at(ids, j, hi, up_d)
+  if q4:
+    _prefetch_at(ids, j, hi, up_m)
 
 
 @numba.njit(inline="always", **_common._JIT)
@@ -140,12 +140,14 @@ def _down_threads(acts, ids, counts, dt_q, dt_d, partials, n_threads, block):
       lo = t * counts[r] // n_threads
       hi = (t + 1) * counts[r] // n_threads
       for j in range(lo, min(lo + AHEAD, hi)):
-        _prefetch_rows(ids[r], j, hi, dt_q, dt_d, dt_d)
+        _prefetch_at(ids[r], j, hi, dt_q)
+        _prefetch_at(ids[r], j, hi, dt_d)
       j = lo
       while j < hi:
         if j + 4 <= hi:
           for k in range(4):
-            _prefetch_rows(ids[r], j + AHEAD + k, hi, dt_q, dt_d, dt_d)
+            _prefetch_at(ids[r], j + AHEAD + k, hi, dt_q)
+            _prefetch_at(ids[r], j + AHEAD + k, hi, dt_d)
             four[k] = ids[r, j + k]
             a4[k] = acts[r, four[k]]
           _add_rows4_q8_0(partials[t, r], a4, four, dt_q, dt_d, block)
@@ -176,9 +178,9 @@ def _up_pass(g, h, up_w, up_d, up_m, cut, code, n_threads, q4):
       lo = t * counts[r] // n_threads
       hi = (t + 1) * counts[r] // n_threads
       for j in range(lo, min(lo + AHEAD, hi)):
-        _prefetch_rows(ids[r], j, hi, up_w, up_d, up_m)
+        _prefetch_up(ids[r], j, hi, up_w, up_d, up_m, q4)
       for j in range(lo, hi):
-        _prefetch_rows(ids[r], j + AHEAD, hi, up_w, up_d, up_m)
+        _prefetch_up(ids[r], j + AHEAD, hi, up_w, up_d, up_m, q4)
         i = ids[r, j]
         if q4:
           u = qmatmul._dot_q4_1(up_w[i], up_d[i], up_m[i], xlo[r], xhi[r], xsum[r])
@@ -201,9 +203,9 @@ def _up_pass_int8(g, h, up_w, up_d, up_m, cut, code, n_threads, q4):
       lo = t * counts[r] // n_threads
       hi = (t + 1) * counts[r] // n_threads
       for j in range(lo, min(lo + AHEAD, hi)):
-        _prefetch_rows(ids[r], j, hi, up_w, up_d, up_m)
+        _prefetch_up(ids[r], j, hi, up_w, up_d, up_m, q4)
       for j in range(lo, hi):
-        _prefetch_rows(ids[r], j + AHEAD, hi, up_w, up_d, up_m)
+        _prefetch_up(ids[r], j + AHEAD, hi, up_w, up_d, up_m, q4)
         i = ids[r, j]
         if q4:
           u = qdot._row_dot_q4_1(up_w[i], up_d[i], xq[r], dx[r]) + qdot.offset_dot(up_m[i],
@@ -215,30 +217,22 @@ def _up_pass_int8(g, h, up_w, up_d, up_m, cut, code, n_threads, q4):
 
 
 @numba.njit(**_common._JIT)
-def _gated_q4_1_kernel(g, h, up_qs, up_d, up_m, dt_q, dt_d, cut, code, n_threads, block):
+def _gated_kernel(g, h, up_w, up_d, up_m, dt_q, dt_d, cut, code, n_threads, block, q4):
   """y[r] = sum over active i of act(g[r, i], up_i . h[r]) * down_t[i]; returns (y, active
   i64[b]: neurons with a nonzero activation, passed i64[b]: neurons whose gate passed).
 
-  g: f32[b, F] gate pre-activations; h: f32[b, D]; up: Q4_1 rows [F, D]; down_t: Q8_0 rows [F, D].
+  g: f32[b, F] gate pre-activations; h: f32[b, D]; up: Q4_1 rows [F, D] (q4 true: up_w nibbles
+  u8[F, D/2], up_d and up_m f32[F, D/32]) or Q8_0 (up_w i8[F, D], up_d; up_m unused);
+  down_t: Q8_0 rows [F, D] (dt_q i8[F, D], dt_d f32[F, D/32]).
   """
-  acts, passed = _up_pass(g, h, up_qs, up_d, up_m, cut, code, n_threads, True)
-  y, counts = _down_pass(acts, dt_q, dt_d, n_threads, block)
-  return y, counts, passed
-
-
-@numba.njit(**_common._JIT)
-def _gated_q8_0_kernel(g, h, up_q, up_d, dt_q, dt_d, cut, code, n_threads, block):
-  """`_gated_q4_1_kernel` with Q8_0 up rows."""
-  acts, passed = _up_pass(g, h, up_q, up_d, up_d, cut, code, n_threads, False)
+  acts, passed = _up_pass(g, h, up_w, up_d, up_m, cut, code, n_threads, q4)
   y, counts = _down_pass(acts, dt_q, dt_d, n_threads, block)
   return y, counts, passed
 
 
 @numba.njit(**_common._JIT)
 def _gated_int8_kernel(g, h, up_w, up_d, up_m, dt_q, dt_d, cut, code, n_threads, block, q4):
-  """`_gated_q4_1_kernel` with up . h as an integer dot on h quantized per block
-  (`host_ops.qdot`); up_w: Q4_1 nibbles u8[F, D/2] (q4 true, up_m its offsets) or Q8_0 codes
-  i8[F, D] (up_m unused)."""
+  """`_gated_kernel` with up . h as an integer dot on h quantized per block (`host_ops.qdot`)."""
   acts, passed = _up_pass_int8(g, h, up_w, up_d, up_m, cut, code, n_threads, q4)
   y, counts = _down_pass(acts, dt_q, dt_d, n_threads, block)
   return y, counts, passed
@@ -275,17 +269,11 @@ def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
     raise HostOpError(f"gated_ffn: cut must be a finite number >= 0, got {cut}")
   if dot not in qmatmul.DOTS:
     raise HostOpError(f"gated_ffn: dot must be one of {', '.join(qmatmul.DOTS)}, got {dot!r}")
-  n_threads = _common.ensure_host_threads()
-  if dot == qmatmul.DOT_INT8 and qdot.AVAILABLE:
-    q4 = up.kind == qmatmul.Q4_1
-    m = up.arrays[2] if q4 else up.arrays[1]  # Q8_0: a placeholder f32[F, D/32], never read.
-    return _gated_int8_kernel(g, h, up.arrays[0], up.arrays[1], m, *down_t.arrays,
-                              np.float32(cut), code, n_threads, np.int64(qmatmul.BLOCK), q4)
-  if up.kind == qmatmul.Q4_1:
-    return _gated_q4_1_kernel(g, h, *up.arrays, *down_t.arrays, np.float32(cut), code, n_threads,
-                              np.int64(qmatmul.BLOCK))
-  return _gated_q8_0_kernel(g, h, *up.arrays, *down_t.arrays, np.float32(cut), code, n_threads,
-                            np.int64(qmatmul.BLOCK))
+  q4 = up.kind == qmatmul.Q4_1
+  m = up.arrays[2] if q4 else up.arrays[1]  # Q8_0: a placeholder f32[F, D/32], never read.
+  kernel = _gated_int8_kernel if dot == qmatmul.DOT_INT8 and qdot.AVAILABLE else _gated_kernel
+  return kernel(g, h, up.arrays[0], up.arrays[1], m, *down_t.arrays, np.float32(cut), code,
+                _common.ensure_host_threads(), np.int64(qmatmul.BLOCK), q4)
 
 
 def gated_ffn_reference(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,

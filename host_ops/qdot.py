@@ -160,15 +160,6 @@ def quantize_x(x):
 
 
 @numba.njit(inline="always", **_common._JIT)
-def _prefetch_row(row):
-  """Software prefetch of every cache line of a contiguous row (the next one a thread reads):
-  from DRAM the 7B-shaped Q4_1 gate matvec went from 24.8 to 34.6 G weights/s with it, the
-  down matvec from 22.7 to 24.9 (2 threads; two rows ahead or more gained less)."""
-  for e in range(0, row.shape[0], 64 // row.itemsize):
-    _common._prefetch(row, e)
-
-
-@numba.njit(inline="always", **_common._JIT)
 def offset_dot(m_row, xsum_row):
   """sum_b m_row[b] * xsum_row[b] (Q4_1's offset term) in four partial sums: one f32 chain was
   a latency-bound 128-add dependency per 7B row (gate gemv from DRAM 2.04 -> 1.92 ms)."""
@@ -193,7 +184,7 @@ def gemv_q4_1(qs, d, m, x, out):
   n = qs.shape[0]
   for i in numba.prange(n):
     if i + 1 < n:
-      _prefetch_row(qs[i + 1])
+      _common.prefetch_row(qs[i + 1])
     for r in range(x.shape[0]):
       out[r, i] = _row_dot_q4_1(qs[i], d[i], xq[r], dx[r]) + offset_dot(m[i], xsum[r])
 
@@ -206,7 +197,7 @@ def gemv_q8_0(q, d, x, out):
   n = q.shape[0]
   for i in numba.prange(n):
     if i + 1 < n:
-      _prefetch_row(q[i + 1])
+      _common.prefetch_row(q[i + 1])
     for r in range(x.shape[0]):
       out[r, i] = _row_dot_q8_0(q[i], d[i], xq[r], dx[r])
 
