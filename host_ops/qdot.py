@@ -161,19 +161,13 @@ def quantize_x(x):
 
 @numba.njit(inline="always", **_common._JIT)
 def offset_dot(m_row, xsum_row):
-  """sum_b m_row[b] * xsum_row[b] (Q4_1's offset term) in four partial sums: one f32 chain was
-  a latency-bound 128-add dependency per 7B row (gate gemv from DRAM 2.04 -> 1.92 ms)."""
-  n = m_row.shape[0]
-  s0 = s1 = s2 = s3 = np.float32(0.0)
-  n4 = n - n % 4
-  for b in range(0, n4, 4):
-    s0 += m_row[b] * xsum_row[b]
-    s1 += m_row[b + 1] * xsum_row[b + 1]
-    s2 += m_row[b + 2] * xsum_row[b + 2]
-    s3 += m_row[b + 3] * xsum_row[b + 3]
-  for b in range(n4, n):
-    s0 += m_row[b] * xsum_row[b]
-  return (s0 + s1) + (s2 + s3)
+  """sum_b m_row[b] * xsum_row[b]: Q4_1's offset term against the quantized block sums (one
+  loop; fastmath lets LLVM vectorize the reduction: four hand-split partial sums ran SmolLM2
+  decode ~12% slower)."""
+  s = np.float32(0.0)
+  for b in range(m_row.shape[0]):
+    s += m_row[b] * xsum_row[b]
+  return s
 
 
 @numba.njit(parallel=True, **_common._JIT)
