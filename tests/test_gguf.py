@@ -10,6 +10,7 @@ import pytest
 from pijax.errors import GGUFError
 from pijax.formats.gguf import open_gguf
 from pijax.formats.loader import dequantize, load_gguf
+from pijax.formats.packed import PackedBytes, StringArray
 
 import tiny_models
 
@@ -216,7 +217,15 @@ def _same_as_gguf_reader(path):
     assert vtype == field.types[0] and (etype is None or etype == field.types[-1]), key
   assert ours.metadata.keys() == want.keys()
   for key, value in want.items():
-    assert type(ours.metadata[key]) is type(value) and ours.metadata[key] == value, key
+    got = ours.metadata[key]
+    if isinstance(value, list) and value and isinstance(value[0], str):
+      # Arrays of strings are packed (one UTF-8 buffer): the same strings, in order.
+      assert isinstance(got, StringArray) and len(got) == len(value), key
+      assert list(got) == value and got == value and got[-1] == value[-1], key
+      assert [got.raw(i) for i in (0, len(value) - 1)] == \
+          [value[0].encode(), value[-1].encode()], key
+    else:
+      assert type(got) is type(value) and got == value, key
   assert len(ours.tensors) == len(theirs.tensors) > 0
   for a, b in zip(ours.tensors, theirs.tensors):
     assert (a.name, a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == \
@@ -249,3 +258,67 @@ def test_released_pages_read_back_the_same(smollm2_path):
   gf.release_pages()
   after = {t.name: zlib.crc32(np.ascontiguousarray(t.data).view(np.uint8)) for t in gf.tensors}
   assert after == before
+
+
+def _write_strings(path, strings):
+  w = gguf.GGUFWriter(str(path), "llama")
+  w.add_array("test.strings", strings)
+  w.add_tensor("a", np.ones((2, 3), np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+
+
+def test_string_arrays_read_back_packed(tmp_path):
+  """Random strings (ASCII, accents, CJK, emoji, empty, NUL, long) through a file: the packed
+  array holds them all, in order, and costs ~their bytes + 8 per string."""
+  rng = np.random.default_rng(3)
+  alphabet = list("abc xyz") + ["\u00e9", "\u4e2d", "\U0001f999", "\x00", "\u2581"]
+  strings = ["".join(rng.choice(alphabet, size=int(rng.integers(0, 12)))) for _ in range(500)]
+  strings += ["", "x" * 5000, ""]
+  path = tmp_path / "strings.gguf"
+  _write_strings(path, strings)
+  got = open_gguf(path)[1]["test.strings"]
+  assert isinstance(got, StringArray) and len(got) == len(strings)
+  assert list(got) == strings and got == strings and strings == got and got != strings[:-1]
+  assert got[-3] == strings[-3] and got[10:20] == strings[10:20] and got[::-7] == strings[::-7]
+  assert got.index(strings[123]) == strings.index(strings[123]) and strings[77] in got
+  with pytest.raises(IndexError):
+    got[len(strings)]
+  utf8 = sum(len(t.encode()) for t in strings)
+  assert got.nbytes == utf8 + 8 * (len(strings) + 1)
+
+
+def test_packed_bytes_equal_their_items():
+  rng = np.random.default_rng(4)
+  items = [bytes(rng.integers(0, 256, size=int(rng.integers(0, 9)), dtype=np.uint8))
+           for _ in range(300)]
+  packed = PackedBytes.from_iterable(iter(items))
+  assert len(packed) == 300 and list(packed) == items and packed == items
+  assert [packed[i] for i in (-1, 0, 151)] == [items[-1], items[0], items[151]]
+  assert packed == PackedBytes.from_iterable(items) and packed != items[1:]
+  assert PackedBytes.from_iterable([]) == [] and len(StringArray.from_strings([])) == 0
+  with pytest.raises(TypeError):
+    hash(packed)
+
+
+@pytest.mark.parametrize("pieces, bad", [
+    ((b"ok", b"x\xc3", b"\xa9y"), 1),  # "\xc3\xa9" (e acute) split across strings 1 and 2.
+    ((b"ok", b"\xa9y"), 1),  # A string that starts inside a character.
+    ((b"ok", b"", b"a\xffb"), 2),  # Not UTF-8 at all.
+    ((b"ok", b"ab\xe4\xb8"), 1),  # Cut inside the last character of the array.
+])
+def test_string_array_that_is_not_utf8_is_refused_by_index(tmp_path, pieces, bad):
+  """Each string must be UTF-8 on its own, also where the strings joined would be."""
+  path = tmp_path / "bad_utf8.gguf"
+  stand_ins = [bytes([ord("A") + i]) * len(p) for i, p in enumerate(pieces)]
+  _write_strings(path, [s.decode() for s in stand_ins])
+  data = path.read_bytes()
+  for stand_in, piece in zip(stand_ins, pieces):
+    if piece:
+      at = data.index(len(piece).to_bytes(8, "little") + stand_in)
+      data = data[:at + 8] + piece + data[at + 8 + len(piece):]
+  path.write_bytes(data)
+  with pytest.raises(GGUFError, match=rf"'test.strings' \(string {bad}: .* is not UTF-8"):
+    open_gguf(path)

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from pijax.errors import TokenizerError
+from pijax.formats.packed import PackedBytes, StringArray
 
 logger = logging.getLogger(__name__)
 
@@ -147,17 +148,18 @@ def _literal_union_pattern(texts: Iterable[str]) -> str:
   return emit(trie)
 
 
-def _get_list(metadata: Mapping[str, Any], key: str, length: int | None = None) -> list | None:
+def _get_list(metadata: Mapping[str, Any], key: str,
+              length: int | None = None) -> list | StringArray | None:
   value = metadata.get(key)
   if value is None:
     return None
-  if not isinstance(value, (list, tuple)):
+  if not isinstance(value, (list, tuple, StringArray)):
     raise TokenizerError(f"{key} must be an array, got {type(value).__name__}; "
                          "the file's tokenizer metadata is corrupt, re-convert the model.")
   if length is not None and len(value) != length:
     raise TokenizerError(f"{key} has {len(value)} entries but tokenizer.ggml.tokens has {length}; "
                          "the file's tokenizer metadata is corrupt, re-convert the model.")
-  return list(value)
+  return value if isinstance(value, StringArray) else list(value)  # Packed: kept, not copied.
 
 
 def _get_token_id(metadata: Mapping[str, Any], key: str, vocab_size: int) -> int | None:
@@ -185,7 +187,8 @@ class Tokenizer:
   Attributes:
     model: "gpt2" (byte-level BPE) or "llama" (SentencePiece).
     pre: the pre-tokenizer name used ("smollm", "llama-bpe", ...); None for SentencePiece.
-    tokens: tuple[str, ...] of the vocabulary as stored (byte-level spelling for gpt2).
+    tokens: Sequence[str] of the vocabulary as stored (byte-level spelling for gpt2): a
+      `pijax.formats.packed.StringArray` when read from a file, else a tuple.
     token_types: tuple[int, ...], llama.cpp token types (see module docstring).
     vocab_size: number of tokens (len(tokens)).
     bos_id, eos_id: int | None, beginning / end of sequence ids.
@@ -208,7 +211,8 @@ class Tokenizer:
     """Internal: use `from_metadata` / `from_gguf`."""
     self.model = model
     self.pre = pre
-    self.tokens = tuple(tokens)
+    # A file's vocabulary stays packed (one UTF-8 buffer; a tuple of str took ~60 bytes a token).
+    self.tokens = tokens if isinstance(tokens, StringArray) else tuple(tokens)
     self.token_types = tuple(token_types)
     self.vocab_size = len(self.tokens)
     self.bos_id = bos_id
@@ -218,7 +222,8 @@ class Tokenizer:
     self.stop_ids = frozenset(stop_ids)
     self.chat_template = chat_template
     # piece_bytes[i]: the bytes token i stands for when decoding.
-    self._piece_bytes = tuple(piece_bytes)
+    self._piece_bytes = (piece_bytes if isinstance(piece_bytes, PackedBytes)
+                         else tuple(piece_bytes))
     # SentencePiece's dummy prefix: decoding drops the leading space of the first text piece.
     self._strip_first_space = add_space_prefix
     self._encode_text = encode_text  # str -> list[int], no special-token parsing.
@@ -269,7 +274,7 @@ class Tokenizer:
       raise TokenizerError("the GGUF has no tokenizer.ggml.tokens (empty vocabulary); "
                            "re-convert the model.")
     n = len(tokens)
-    if not all(isinstance(t, str) for t in tokens):
+    if not isinstance(tokens, StringArray) and not all(isinstance(t, str) for t in tokens):
       raise TokenizerError("tokenizer.ggml.tokens holds non-string entries; re-convert the model.")
     types = _get_list(metadata, "tokenizer.ggml.token_type", n) or [TOKEN_NORMAL] * n
     types = [t if t in (1, 2, 3, 4, 5, 6) else TOKEN_NORMAL for t in types]  # 0 = undefined.
@@ -285,8 +290,8 @@ class Tokenizer:
     stop = {i for i in (eos_id,
                         _get_token_id(metadata, "tokenizer.ggml.eot_token_id", n),
                         _get_token_id(metadata, "tokenizer.ggml.eom_token_id", n)) if i is not None}
-    stop |= {i for i, (tok, typ) in enumerate(zip(tokens, types))
-             if typ == TOKEN_CONTROL and tok in END_OF_TURN_TEXTS}
+    stop |= {i for i, typ in enumerate(types)
+             if typ == TOKEN_CONTROL and tokens[i] in END_OF_TURN_TEXTS}
     chat_template = metadata.get("tokenizer.chat_template")
     common = dict(model=model, tokens=tokens, token_types=types, bos_id=bos_id, eos_id=eos_id,
                   add_bos=add_bos, add_eos=add_eos, stop_ids=stop,
@@ -524,9 +529,9 @@ def _build_byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str],
   backend.encode_special_tokens = True
 
   char_to_byte = {c: b for b, c in _byte_level_alphabet().items()}
-  piece_bytes = [tok.encode("utf-8") if typ in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
-                 else _byte_level_to_bytes(tok, char_to_byte)
-                 for tok, typ in zip(tokens, types)]
+  piece_bytes = PackedBytes.from_iterable(
+      tok.encode("utf-8") if typ in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
+      else _byte_level_to_bytes(tok, char_to_byte) for tok, typ in zip(tokens, types))
 
   def encode_text(text: str) -> list[int]:
     return backend.encode(text, add_special_tokens=False).ids
@@ -541,6 +546,7 @@ def _build_sentencepiece(metadata: Mapping[str, Any], tokens: list[str],
   import sentencepiece
   from sentencepiece import sentencepiece_model_pb2 as pb
 
+  tokens = list(tokens)  # Decoded once for the passes below; freed when the build returns.
   n = len(tokens)
   scores = _get_list(metadata, "tokenizer.ggml.scores", n) or [0.0] * n
   # SentencePiece needs exactly one unknown piece. Gemma 3 files type "<unk>" as control (3) and
@@ -554,8 +560,8 @@ def _build_sentencepiece(metadata: Mapping[str, Any], tokens: list[str],
                          "no tokenizer.ggml.unknown_token_id); the file's tokenizer metadata is "
                          "incomplete, re-convert the model.")
   add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-  byte_values = {int(m.group(1), 16) for tok, typ in zip(tokens, types) if typ == TOKEN_BYTE
-                 for m in [re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", tok)] if m}
+  byte_values = {int(m.group(1), 16) for i, typ in enumerate(types) if typ == TOKEN_BYTE
+                 for m in [re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", tokens[i])] if m}
   # SentencePiece accepts byte pieces only as a full set of 256 (byte fallback). A partial set is
   # registered as unused pieces: never produced by encoding, still decoded as bytes below.
   byte_fallback = len(byte_values) == 256
@@ -565,7 +571,9 @@ def _build_sentencepiece(metadata: Mapping[str, Any], tokens: list[str],
   # User-defined tokens are matched whole in the raw text (llama.cpp, transformers). SentencePiece
   # matches them after escaping " " to "▁", so a GGUF user-defined token holding spaces (Gemma's
   # runs "  " .. 31 spaces) is registered with "▁" for " ", unless that spelling is taken.
-  taken = set(tokens)
+  spaced = {tokens[i].replace(" ", _SPM_SPACE) for i, typ in enumerate(types)
+            if typ == TOKEN_USER_DEFINED and " " in tokens[i]}
+  taken = {tok for tok in tokens if tok in spaced} if spaced else set()  # Spellings in use.
   proto = pb.ModelProto()
   for i, (tok, score, typ) in enumerate(zip(tokens, scores, types)):
     if i == unk_id:
@@ -598,17 +606,17 @@ def _build_sentencepiece(metadata: Mapping[str, Any], tokens: list[str],
     raise TokenizerError(f"cannot build the SentencePiece model from tokenizer.ggml.tokens/scores/"
                          f"token_type: {err}; the file's tokenizer metadata is corrupt.") from None
 
-  piece_bytes = []
-  for tok, typ in zip(tokens, types):
+  def piece(tok: str, typ: int) -> bytes:
     if typ == TOKEN_BYTE:
       m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", tok)
-      piece_bytes.append(bytes([int(m.group(1), 16)]) if m else tok.encode("utf-8"))
-    elif typ == TOKEN_UNKNOWN:
-      piece_bytes.append(_SPM_UNK_SURFACE.encode("utf-8"))
-    elif typ == TOKEN_CONTROL:
-      piece_bytes.append(tok.encode("utf-8"))
-    else:
-      piece_bytes.append(tok.replace(_SPM_SPACE, " ").encode("utf-8"))
+      return bytes([int(m.group(1), 16)]) if m else tok.encode("utf-8")
+    if typ == TOKEN_UNKNOWN:
+      return _SPM_UNK_SURFACE.encode("utf-8")
+    if typ == TOKEN_CONTROL:
+      return tok.encode("utf-8")
+    return tok.replace(_SPM_SPACE, " ").encode("utf-8")
+
+  piece_bytes = PackedBytes.from_iterable(piece(tok, typ) for tok, typ in zip(tokens, types))
 
   def encode_text(text: str) -> list[int]:
     return sp.encode(text, out_type=int)
