@@ -163,9 +163,8 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
         predictor_neuron_bytes=predictor_lib.hot_neuron_bytes(cfg.hidden_size, kind))
     manifest = build_manifest(model, opts, prof, preds, placement, ffn_layer_bytes,
                               {"profile_s": profile_s, "train_predictors_s": train_s})
-    ffn = bundle_lib.permute_ffn(model.params, cfg.n_layers, perm)
+    # The rows themselves are not stored: a load permutes the source GGUF's (bundle version 2).
     tree = {
-        "ffn": ffn,
         "perm": perm,
         "thresholds": np.asarray(prof.thresholds, np.float32),
         "frequencies": freqs.astype(np.float32),
@@ -178,8 +177,10 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
       tree["cuts"] = np.asarray([p.cut for p in preds], np.float32)
       tree["rms_bounds"] = np.asarray([p.rms_bound for p in preds], np.float32)
     else:  # Low-bit: its cut is the contribution threshold; no rms fallback to dense.
+      ffn = bundle_lib.permute_ffn(model.params, cfg.n_layers, perm)
       tree["lowbit"] = {name: predictor_lib.lowbit_params(rows["gate"], rows["up"])
                         for name, rows in ffn.items()}
+      del ffn
       tree["cuts"] = tree["thresholds"].copy()
       tree["rms_bounds"] = np.full(cfg.n_layers, np.inf, np.float32)
     manifest["timing"]["total_s"] = time.perf_counter() - start

@@ -673,6 +673,8 @@ def load(path_or_default: str | os.PathLike[str] = "default", *, dtype: str = "f
   if bundle_lib.is_bundle(path_or_default):
     bundle, src, activation = bundle_lib.open_bundle(os.fspath(path_or_default))
     model = load(src, dtype=dtype, max_seq_len=max_seq_len, ffn_activation=activation)
+    if bundle.ffn is None:  # Version 2: the source's own rows, in the bundle's neuron order.
+      bundle.ffn = bundle_lib.permute_ffn(model.params, model.config.n_layers, bundle.perm)
     model.params = bundle_lib.with_ffn(model.params, bundle.ffn, model.dtype)
     model.use_backend(xla_backend.XlaBackend(model.config, model.params, model.dtype))
     model.sparse = bundle

@@ -60,19 +60,64 @@ def test_bundle_roundtrip_and_permutation_invariance(converted, smollm2, hf_toke
   for layer in range(smollm2.config.n_layers):
     assert sorted(perm[layer].tolist()) == list(range(smollm2.config.intermediate_size))
     assert np.all(np.diff(tree["frequencies"][layer]) <= 0)
-  # Bit-exact round trip of what was saved.
+  # Version 2 stores no weights: the load gathers the source's rows in the bundle's order,
+  # bit for bit, and the bundle is a fraction of the GGUF (version 1: 538 MB of f32 rows).
+  assert "ffn" not in tree and manifest["version"] == 2
+  on_disk = sum(f.stat().st_size for f in pathlib.Path(opts.out).rglob("*") if f.is_file())
+  assert on_disk <= 0.3 * os.path.getsize(smollm2.path), on_disk
   expected = bundle_lib.permute_ffn(smollm2.params, smollm2.config.n_layers, perm)
-  for name in ("layers_0", "layers_29"):
-    for w in ("gate", "up", "down"):
-      np.testing.assert_array_equal(tree["ffn"][name][w], expected[name][w])
-  # pijax.load(bundle): the permuted model's logits equal the original's.
   model = pijax.load(opts.out)
   assert model.sparse is not None
   assert model.sparse.hot_counts == [layer["hot_count"] for layer in manifest["layers"]]
+  for name in ("layers_0", "layers_29"):
+    for w in ("gate", "up", "down"):
+      np.testing.assert_array_equal(model.sparse.ffn[name][w], expected[name][w])
+  np.testing.assert_array_equal(model.sparse.ffn["layers_7"]["down"][11],
+                                np.asarray(smollm2.params["layers_7"]["ffn"]["down"]["kernel"])
+                                [perm[7, 11]])
+  # pijax.load(bundle): the permuted model's logits equal the original's.
   ids = hf_tokenizer.encode("The permuted model computes exactly the same function.")
   ref = smollm2.prompt_logits(ids)
   got = model.prompt_logits(ids)
   assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_version_1_bundle_with_stored_rows_still_loads(converted, smollm2, tmp_path):
+  """A bundle written before version 2 (f32 rows in the checkpoint) loads those rows."""
+  opts, manifest = converted
+  tree = bundle_lib.read_checkpoint(opts.out)
+  rows = bundle_lib.permute_ffn(smollm2.params, smollm2.config.n_layers, tree["perm"])
+  rows["layers_3"]["up"] = rows["layers_3"]["up"] * np.float32(2.0)  # Tells the two apart.
+  out = tmp_path / "v1"
+  bundle_lib.write_bundle(str(out), dict(tree, ffn=rows), dict(manifest, version=1))
+  bundle, _, _ = bundle_lib.open_bundle(str(out))
+  np.testing.assert_array_equal(bundle.ffn["layers_3"]["up"], rows["layers_3"]["up"])
+  bundle_lib.write_bundle(str(out), tree, dict(manifest, version=1), overwrite=True)
+  with pytest.raises(BundleError, match="version 1 bundle without its ffn rows"):
+    bundle_lib.open_bundle(str(out))
+
+
+@pytest.mark.parametrize("corrupt", ["repeat", "range", "shape", "float", "missing"])
+def test_bundle_with_a_bad_neuron_order_is_refused(converted, tmp_path, corrupt):
+  """The rows are gathered by perm: anything but L permutations of range(F) is a BundleError."""
+  opts, manifest = converted
+  tree = bundle_lib.read_checkpoint(opts.out)
+  perm = np.array(tree["perm"])
+  if corrupt == "repeat":
+    perm[4, 10] = perm[4, 11]
+  elif corrupt == "range":
+    perm[0, 0] = perm.shape[1]
+  elif corrupt == "shape":
+    perm = perm[:, :-1]
+  elif corrupt == "float":
+    perm = perm.astype(np.float32)
+  tree = dict(tree, perm=perm)
+  if corrupt == "missing":
+    tree.pop("perm")
+  out = tmp_path / corrupt
+  bundle_lib.write_bundle(str(out), tree, manifest)
+  with pytest.raises(BundleError, match=r"neuron order \(perm\) .* re-run pijax.convert"):
+    bundle_lib.open_bundle(str(out))
 
 
 def test_bundle_predictors_are_permuted_consistently(converted, smollm2):

@@ -1,14 +1,10 @@
-"""Converted bundles: permuted FFN weights, predictors and thresholds in an orbax checkpoint.
+"""Converted bundles: neuron order, predictors and thresholds in an orbax checkpoint.
 
 A bundle is a folder:
   manifest.json  what was converted and measured (format, version, model config, source GGUF
                  path + sha256, calibration text + token count, per-layer threshold, hot count,
                  predictor rank, recall, precision, predicted and true sparsity, device bytes).
   checkpoint/    orbax checkpoint of
-                   ffn/layers_i/{gate, up, down}: f32[F, D] rows per neuron, neurons sorted by
-                     descending activation frequency ("row-column bundling": the down projection
-                     is stored transposed so one neuron's weights are three contiguous rows;
-                     LLM in a Flash, arXiv 2312.11514 §3.2),
                    predictors/layers_i/{fc1: f32[D, r_i], fc2: f32[r_i, F]} (permuted order;
                      MLP-predictor bundles only, manifest predictor.kind "mlp"),
                    lowbit/layers_i/{gate_codes, up_codes: u8[F, D/2], gate_scales,
@@ -18,8 +14,13 @@ A bundle is a folder:
                    thresholds: f32[L] contribution thresholds t_l, cuts: f32[L] predictor logit
                    cuts, rms_bounds: f32[L] residual rms above which a token runs dense,
                    frequencies: f32[L, F] activation probability per token (permuted).
-Embeddings, attention, norms and the tokenizer come from the source GGUF, whose sha256 must
-match the manifest. Bundles are written to a temporary sibling folder and renamed into place.
+Every weight comes from the source GGUF, whose sha256 must match the manifest: at load the
+FFN rows are the source's own values in the bundle's neuron order (`permute_ffn`: neurons sorted
+by descending activation frequency, "row-column bundling": the down projection transposed so
+one neuron's weights are three contiguous rows; LLM in a Flash, arXiv 2312.11514 §3.2). Version
+1 bundles also stored those rows as f32 (ffn/layers_i/{gate, up, down}: f32[F, D]; 6x the
+SmolLM2 GGUF's bytes); they still load. Bundles are written to a temporary sibling folder and
+renamed into place.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ import numpy as np
 from pijax.errors import BundleError
 
 BUNDLE_FORMAT = "pijax-bundle"
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2
+# Versions this pijax reads: 1 stored the permuted FFN rows as f32, 2 derives them from the source.
+READ_VERSIONS = (1, 2)
 MANIFEST_FILE = "manifest.json"
 CHECKPOINT_DIR = "checkpoint"
 
@@ -127,10 +130,10 @@ def read_manifest(path: str) -> dict[str, Any]:
   if not isinstance(manifest, dict):
     raise BundleError(f"{manifest_path}: not a bundle manifest (a JSON object); re-run "
                       "pijax.convert.")
-  if manifest.get("format") != BUNDLE_FORMAT or manifest.get("version") != BUNDLE_VERSION:
+  if manifest.get("format") != BUNDLE_FORMAT or manifest.get("version") not in READ_VERSIONS:
     raise BundleError(f"{path}: bundle format {manifest.get('format')!r} version "
                       f"{manifest.get('version')!r}, but this pijax reads {BUNDLE_FORMAT!r} "
-                      f"version {BUNDLE_VERSION}; re-run pijax.convert.")
+                      f"versions {', '.join(map(str, READ_VERSIONS))}; re-run pijax.convert.")
   return manifest
 
 
@@ -161,7 +164,9 @@ class SparseBundle:
   Attributes:
     path: bundle folder.
     manifest: its manifest.json.
-    ffn: {layers_i: {gate, up, down}: f32[F, D]} neuron-major weights (numpy, host).
+    ffn: {layers_i: {gate, up, down}: f32[F, D]} neuron-major weights (numpy, host): read
+      from a version 1 checkpoint, else None until `pijax.load` builds them from the source
+      GGUF's (`permute_ffn`).
     predictors: {layers_i: {fc1: f32[D, r], fc2: f32[r, F]}} ({} in a low-bit bundle).
     predictor_kind: the predictor convert built ("mlp" | "lowbit"; "mlp" before it was recorded).
     lowbit: {layers_i: low-bit predictor arrays} (`pijax.offline.predictor.lowbit_params`), or
@@ -173,7 +178,7 @@ class SparseBundle:
 
   path: str
   manifest: dict[str, Any]
-  ffn: dict[str, Any]
+  ffn: dict[str, Any] | None
   predictors: dict[str, Any]
   cuts: np.ndarray
   thresholds: np.ndarray
@@ -202,9 +207,10 @@ def open_bundle(path: str, *, source: str | None = None
     src = source or manifest["source"]["path"]
     want = manifest["source"]["sha256"]
     n_layers = len(manifest["layers"])
-  except (KeyError, TypeError):
-    raise BundleError(f"{path}: its manifest lacks source.path / source.sha256 / layers; "
-                      "re-run pijax.convert.") from None
+    hidden, inter = (int(manifest["model"][k]) for k in ("hidden_size", "intermediate_size"))
+  except (KeyError, TypeError, ValueError):
+    raise BundleError(f"{path}: its manifest lacks source.path / source.sha256 / layers / "
+                      "model sizes; re-run pijax.convert.") from None
   if not os.path.isfile(src):
     raise BundleError(f"{path}: its source GGUF {src} is not a file; put the original GGUF "
                       "back at that path (or re-convert).")
@@ -214,8 +220,11 @@ def open_bundle(path: str, *, source: str | None = None
                       f"{manifest['source']['sha256'][:16]}..., but {src} has sha256 "
                       f"{digest[:16]}...; put the original file back at that path or re-convert.")
   tree = read_checkpoint(path)
+  _check_perm(path, tree.get("perm"), n_layers, inter)
+  if manifest["version"] == 1 and "ffn" not in tree:
+    raise BundleError(f"{path}: a version 1 bundle without its ffn rows; re-run pijax.convert.")
   bundle = SparseBundle(
-      path=os.path.abspath(path), manifest=manifest, ffn=tree["ffn"],
+      path=os.path.abspath(path), manifest=manifest, ffn=tree.get("ffn"),
       predictors=tree.get("predictors", {}), cuts=tree["cuts"], thresholds=tree["thresholds"],
       rms_bounds=tree.get("rms_bounds", np.full(n_layers, np.inf, np.float32)),
       frequencies=tree["frequencies"], perm=tree["perm"],
@@ -226,8 +235,19 @@ def open_bundle(path: str, *, source: str | None = None
     raise BundleError(f"{path}: its manifest's predictor kind {bundle.predictor_kind!r} does "
                       "not match the predictors its checkpoint holds; re-run pijax.convert.")
   if bundle.lowbit is not None:
-    _check_lowbit(path, bundle.lowbit, bundle.ffn, n_layers)
+    _check_lowbit(path, bundle.lowbit, n_layers, inter, hidden)
   return bundle, src, manifest["model"].get("ffn_activation")
+
+
+def _check_perm(path: str, perm: Any, n_layers: int, n_neurons: int) -> None:
+  """BundleError unless perm is an integer [L, F] array whose rows are permutations of range(F)
+  (the FFN rows are gathered by it: a bad index would silently mix up neurons)."""
+  arr = np.asarray(perm) if perm is not None else None
+  if arr is None or arr.shape != (n_layers, n_neurons) or arr.dtype.kind not in "iu" or \
+      not np.array_equal(np.sort(arr, axis=1), np.broadcast_to(np.arange(n_neurons), arr.shape)):
+    got = "missing" if arr is None else f"{arr.dtype.name}{list(arr.shape)}"
+    raise BundleError(f"{path}: its neuron order (perm) is {got}, not {n_layers} permutations "
+                      f"of {n_neurons} neurons; re-run pijax.convert.")
 
 
 def _predictor_kind(path: str, manifest: dict[str, Any]) -> str:
@@ -242,17 +262,15 @@ def _predictor_kind(path: str, manifest: dict[str, Any]) -> str:
   return kind
 
 
-def _check_lowbit(path: str, lowbit: Any, ffn: dict[str, Any], n_layers: int) -> None:
+def _check_lowbit(path: str, lowbit: Any, n_layers: int, n: int, d: int) -> None:
   """BundleError unless every layer has the low-bit predictor's four arrays with the shapes
-  and dtypes of its FFN rows (`pijax.offline.predictor.lowbit_params`)."""
+  and dtypes of its FFN rows, n neurons of d values (`pijax.offline.predictor.lowbit_params`)."""
   for i in range(n_layers):
     name = f"layers_{i}"
     layer = lowbit.get(name) if isinstance(lowbit, dict) else None
-    rows = ffn.get(name) if isinstance(ffn, dict) else None
-    if not isinstance(layer, dict) or not isinstance(rows, dict) or "gate" not in rows:
+    if not isinstance(layer, dict):
       raise BundleError(f"{path}: its checkpoint lacks the low-bit predictor of {name}; "
                         "re-run pijax.convert.")
-    n, d = np.shape(rows["gate"])
     want = {"gate_codes": ((n, d // 2), np.uint8), "up_codes": ((n, d // 2), np.uint8),
             "gate_scales": ((n, d // 32), np.float16), "up_scales": ((n, d // 32), np.float16)}
     for key, (shape, dtype) in want.items():
