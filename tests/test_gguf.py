@@ -284,8 +284,12 @@ def test_string_arrays_read_back_packed(tmp_path):
   assert list(got) == strings and got == strings and strings == got and got != strings[:-1]
   assert got[-3] == strings[-3] and got[10:20] == strings[10:20] and got[::-7] == strings[::-7]
   assert got.index(strings[123]) == strings.index(strings[123]) and strings[77] in got
-  with pytest.raises(IndexError):
-    got[len(strings)]
+  with pytest.raises(IndexError, match=f"index {-len(strings) - 1} out of range"):
+    got[-len(strings) - 1]
+  for bad in (1.0, "1", [1], None):
+    with pytest.raises(TypeError, match="indices must be integers or slices"):
+      got[bad]
+  assert got[np.int64(5)] == strings[5]
   utf8 = sum(len(t.encode()) for t in strings)
   assert got.nbytes == utf8 + 8 * (len(strings) + 1)
 

@@ -10,6 +10,7 @@ keeps a numpy view per metadata element: hundreds of MB for a large vocabulary.)
 
 from __future__ import annotations
 
+import codecs
 import mmap
 import os
 import struct
@@ -92,6 +93,20 @@ def _short(raw: bytes | str, limit: int = 80) -> str:
       pass
   text = repr(raw)
   return text if len(text) <= limit else text[:limit - 4] + "...'"
+
+
+def _utf8_ok(data: bytes, chunk: int = 1 << 20) -> bool:
+  """Whether `data` is valid UTF-8, decoded 1 MiB at a time (a whole decode would hold up to 4x
+  its size as one str)."""
+  decoder = codecs.getincrementaldecoder("utf-8")()
+  view = memoryview(data)
+  try:
+    for lo in range(0, len(data), chunk):
+      decoder.decode(view[lo:lo + chunk])
+    decoder.decode(b"", final=True)
+  except UnicodeDecodeError:
+    return False
+  return True
 
 
 class _HeaderScanner:
@@ -195,29 +210,26 @@ class _HeaderScanner:
       starts.append(pos)
       offsets.append(offsets[-1] + length)
       pos += length
-    first = self.pos
     self.pos = pos
-    region = np.frombuffer(buf, np.uint8, pos - first, first)
+    # The strings without their 8-byte length fields, copied once into one buffer (no temporary
+    # beyond it: memory stays ~1x the array's bytes whatever the file holds).
+    blob = bytearray(offsets[-1])
+    dst, src = memoryview(blob), memoryview(buf)
+    for i, start in enumerate(starts):
+      lo, hi = offsets[i], offsets[i + 1]
+      dst[lo:hi] = src[start:start + hi - lo]
+    del dst, src
     offs = np.frombuffer(offsets, np.int64)
-    lengths = np.diff(offs)
-    # Gather the strings without their 8-byte length fields.
-    src = np.repeat(np.frombuffer(starts, np.int64) - first - offs[:-1], lengths)
-    blob = region[src + np.arange(offs[-1], dtype=np.int64)].tobytes()
-    del region, src
     # Valid UTF-8 strings concatenate to valid UTF-8, and where the whole is valid every
     # string is, unless one starts inside a character (with a continuation byte). Only when
     # that fast check fails are the strings decoded one by one, to name the first bad one.
-    try:
-      blob.decode("utf-8")
-      ok = True
-    except UnicodeDecodeError:
-      ok = False
-    nonempty = offs[:-1][lengths > 0]
+    ok = _utf8_ok(blob)
+    nonempty = offs[:-1][offs[1:] > offs[:-1]]
     if ok and len(nonempty):
       ok = not np.any((np.frombuffer(blob, np.uint8)[nonempty] & 0xC0) == 0x80)
     if not ok:
       for i in range(n):
-        raw = blob[offsets[i]:offsets[i + 1]]
+        raw = bytes(blob[offsets[i]:offsets[i + 1]])
         try:
           raw.decode("utf-8")
         except UnicodeDecodeError as err:

@@ -8,6 +8,7 @@ plus 8 bytes of offset each (~3.6 MB for Gemma 3). Items are sliced (and decoded
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -22,8 +23,9 @@ class PackedBytes(Sequence):
 
   __slots__ = ("_blob", "_offsets")
 
-  def __init__(self, blob: bytes, offsets: array):
-    """Internal: use `from_iterable`. offsets: array('q') of len(items) + 1, starting at 0."""
+  def __init__(self, blob: bytes | bytearray, offsets: array):
+    """Internal: use `from_iterable`. blob: the items' bytes back to back (not modified later);
+    offsets: array('q') of len(items) + 1, starting at 0."""
     self._blob = blob
     self._offsets = offsets
 
@@ -39,11 +41,11 @@ class PackedBytes(Sequence):
   def raw(self, index: int) -> bytes:
     """The stored bytes of item `index` (negative counts from the end). Raises IndexError."""
     n = len(self._offsets) - 1
-    if index < 0:
-      index += n
-    if not 0 <= index < n:
+    i = index + n if index < 0 else index
+    if not 0 <= i < n:
       raise IndexError(f"index {index} out of range for {n} items")
-    return self._blob[self._offsets[index]:self._offsets[index + 1]]
+    item = self._blob[self._offsets[i]:self._offsets[i + 1]]
+    return item if type(item) is bytes else bytes(item)
 
   def _item(self, raw: bytes) -> Any:
     return raw
@@ -54,12 +56,19 @@ class PackedBytes(Sequence):
   def __getitem__(self, index):
     if isinstance(index, slice):
       return [self[i] for i in range(*index.indices(len(self)))]
-    return self._item(self.raw(index.__index__()))
+    try:
+      i = operator.index(index)
+    except TypeError:
+      raise TypeError(f"{type(self).__name__} indices must be integers or slices, not "
+                      f"{type(index).__name__}") from None
+    return self._item(self.raw(i))
 
   def __iter__(self) -> Iterator:
     blob, offsets, item = self._blob, self._offsets, self._item
+    whole = type(blob) is bytes
     for i in range(len(offsets) - 1):
-      yield item(blob[offsets[i]:offsets[i + 1]])
+      raw = blob[offsets[i]:offsets[i + 1]]
+      yield item(raw if whole else bytes(raw))
 
   def __eq__(self, other: object) -> bool:
     if type(other) is type(self):
