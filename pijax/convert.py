@@ -183,6 +183,7 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
       del ffn
       tree["cuts"] = tree["thresholds"].copy()
       tree["rms_bounds"] = np.full(cfg.n_layers, np.inf, np.float32)
+    manifest["perm_sha256"] = bundle_lib.perm_sha256(perm)
     manifest["timing"]["total_s"] = time.perf_counter() - start
     bundle_lib.write_bundle(opts.out, tree, manifest, overwrite=opts.overwrite)
     return manifest

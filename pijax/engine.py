@@ -673,8 +673,13 @@ def load(path_or_default: str | os.PathLike[str] = "default", *, dtype: str = "f
   if bundle_lib.is_bundle(path_or_default):
     bundle, src, activation = bundle_lib.open_bundle(os.fspath(path_or_default))
     model = load(src, dtype=dtype, max_seq_len=max_seq_len, ffn_activation=activation)
+    bundle_lib.check_source_config(bundle, model.config)
     if bundle.ffn is None:  # Version 2: the source's own rows, in the bundle's neuron order.
-      bundle.ffn = bundle_lib.permute_ffn(model.params, model.config.n_layers, bundle.perm)
+      # f32 rows whatever the compute dtype (the host part reads them as f32, as version 1).
+      f32 = model.params if np.dtype(model.dtype) == np.float32 else \
+          load_gguf(src, dtype="float32", ffn_activation=activation)[1]
+      bundle.ffn = bundle_lib.permute_ffn(f32, model.config.n_layers, bundle.perm)
+      del f32
     model.params = bundle_lib.with_ffn(model.params, bundle.ffn, model.dtype)
     model.use_backend(xla_backend.XlaBackend(model.config, model.params, model.dtype))
     model.sparse = bundle

@@ -97,7 +97,7 @@ def test_version_1_bundle_with_stored_rows_still_loads(converted, smollm2, tmp_p
     bundle_lib.open_bundle(str(out))
 
 
-@pytest.mark.parametrize("corrupt", ["repeat", "range", "shape", "float", "missing"])
+@pytest.mark.parametrize("corrupt", ["repeat", "range", "shape", "float", "missing", "swap"])
 def test_bundle_with_a_bad_neuron_order_is_refused(converted, tmp_path, corrupt):
   """The rows are gathered by perm: anything but L permutations of range(F) is a BundleError."""
   opts, manifest = converted
@@ -111,6 +111,8 @@ def test_bundle_with_a_bad_neuron_order_is_refused(converted, tmp_path, corrupt)
     perm = perm[:, :-1]
   elif corrupt == "float":
     perm = perm.astype(np.float32)
+  elif corrupt == "swap":  # Still permutations, but not the order convert recorded.
+    perm[[3, 4]] = perm[[4, 3]]
   tree = dict(tree, perm=perm)
   if corrupt == "missing":
     tree.pop("perm")
@@ -311,3 +313,114 @@ def test_convert_builds_the_predictor_the_runtime_uses(tmp_path, shared_dir, mon
   sparse.lowbit = None  # Rebuilt from the rows at configure time instead.
   bundled.configure_sparse("predictor")
   assert bundled.generate([1, 5, 9, 30], max_new_tokens=6, temperature=0.0).token_ids == stored
+
+
+def _edited_bundle(converted, out, manifest_edit=None, tree_edit=None):
+  """A copy of the converted bundle at `out` with its manifest and/or checkpoint tree edited."""
+  opts, manifest = converted
+  tree = bundle_lib.read_checkpoint(opts.out)
+  manifest = json.loads(json.dumps(manifest))
+  if manifest_edit:
+    manifest_edit(manifest)
+  if tree_edit:
+    tree_edit(tree)
+  bundle_lib.write_bundle(str(out), tree, manifest, overwrite=True)
+  return str(out)
+
+
+def _set(path, value):
+  def edit(d):
+    *head, last = path
+    for k in head:
+      d = d[k]
+    d[last] = value
+  return edit
+
+
+@pytest.mark.parametrize("name, edit", [
+    ("hidden inf", _set(("model", "hidden_size"), float("inf"))),
+    ("hidden bool", _set(("model", "hidden_size"), True)),
+    ("inter float", _set(("model", "intermediate_size"), 1536.0)),
+    ("hot_count missing", lambda m: m["layers"][2].pop("hot_count")),
+    ("hot_count big", _set(("layers", 2, "hot_count"), 10 ** 9)),
+    ("hot_count negative", _set(("layers", 2, "hot_count"), -64)),
+    ("layers string", _set(("layers",), "30")),
+    ("source path list", _set(("source", "path"), ["a"])),
+    ("sha256 int", _set(("source", "sha256"), 7)),
+    ("version bool", _set(("version",), True)),
+    ("version float", _set(("version",), 2.0)),
+])
+def test_bundle_manifest_with_bad_fields_is_refused(converted, tmp_path, name, edit):
+  """Each bad manifest field is one BundleError, never a traceback or a silent load."""
+  out = _edited_bundle(converted, tmp_path / "b", manifest_edit=edit)
+  with pytest.raises(BundleError, match=r"re-run pijax.convert|re-convert"):
+    bundle_lib.open_bundle(out)
+
+
+def test_bundle_manifest_that_is_not_utf8_is_refused(converted, tmp_path):
+  out = _edited_bundle(converted, tmp_path / "b")
+  (tmp_path / "b" / bundle_lib.MANIFEST_FILE).write_bytes(b'{"format": "\xff"}')
+  with pytest.raises(BundleError, match="unreadable bundle manifest"):
+    bundle_lib.open_bundle(out)
+
+
+@pytest.mark.parametrize("name, edit", [
+    ("thresholds missing", lambda t: t.pop("thresholds")),
+    ("cuts missing", lambda t: t.pop("cuts")),
+    ("frequencies missing", lambda t: t.pop("frequencies")),
+    ("thresholds short", lambda t: t.update(thresholds=t["thresholds"][:-1])),
+    ("thresholds nan", lambda t: t.update(thresholds=np.full_like(t["thresholds"], np.nan))),
+    ("frequencies shape", lambda t: t.update(frequencies=t["frequencies"][:, :-1])),
+    ("ffn rows in version 2", lambda t: t.update(ffn={"layers_0": {"gate": np.ones((2, 2))}})),
+])
+def test_bundle_checkpoint_with_bad_arrays_is_refused(converted, tmp_path, name, edit):
+  out = _edited_bundle(converted, tmp_path / "b", tree_edit=edit)
+  with pytest.raises(BundleError, match="re-run pijax.convert"):
+    bundle_lib.open_bundle(out)
+
+
+@pytest.mark.parametrize("name", ["layer missing", "gate shape", "not a dict"])
+def test_version_1_bundle_with_bad_rows_is_refused(converted, smollm2, tmp_path, name):
+  def edit(tree):
+    rows = bundle_lib.permute_ffn(smollm2.params, smollm2.config.n_layers, tree["perm"])
+    if name == "layer missing":
+      rows.pop("layers_5")
+    elif name == "gate shape":
+      rows["layers_2"]["gate"] = rows["layers_2"]["gate"][:, :-1]
+    else:
+      rows = np.ones(3, np.float32)
+    tree["ffn"] = rows
+  out = _edited_bundle(converted, tmp_path / "b", manifest_edit=_set(("version",), 1),
+                       tree_edit=edit)
+  with pytest.raises(BundleError, match="ffn rows"):
+    bundle_lib.open_bundle(out)
+
+
+def test_bundle_sizes_must_be_the_sources(converted, tmp_path):
+  """A bundle consistent with itself but not with its source GGUF: one BundleError at load."""
+  def tree_edit(tree):
+    tree["perm"] = np.argsort(np.asarray(tree["perm"])[:, :-1], axis=1).astype(np.int32)
+    tree["frequencies"] = np.asarray(tree["frequencies"])[:, :-1]
+
+  def manifest_edit(manifest):
+    manifest["model"]["intermediate_size"] -= 1
+    tree = bundle_lib.read_checkpoint(converted[0].out)
+    tree_edit(tree)
+    manifest["perm_sha256"] = bundle_lib.perm_sha256(tree["perm"])
+
+  out = _edited_bundle(converted, tmp_path / "b", manifest_edit=manifest_edit,
+                       tree_edit=tree_edit)
+  bundle_lib.open_bundle(out)  # Consistent with itself...
+  with pytest.raises(BundleError, match="intermediate_size 1535, but its source has"):
+    pijax.load(out)  # ...but not with the source.
+
+
+def test_bfloat16_load_of_a_bundle_gathers_f32_rows(converted, smollm2):
+  """The host part reads f32 rows whatever the compute dtype: gathered from an f32 source."""
+  opts, _ = converted
+  model = pijax.load(opts.out, dtype="bfloat16", max_seq_len=64)
+  perm = model.sparse.perm
+  want = bundle_lib.permute_ffn(smollm2.params, smollm2.config.n_layers, perm)
+  got = model.sparse.ffn["layers_12"]["down"]
+  assert got.dtype == np.float32
+  np.testing.assert_array_equal(got, want["layers_12"]["down"])

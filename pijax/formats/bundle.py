@@ -124,13 +124,15 @@ def read_manifest(path: str) -> dict[str, Any]:
   try:
     with open(manifest_path) as f:
       manifest = json.load(f)
-  except (OSError, json.JSONDecodeError) as err:
-    raise BundleError(f"{manifest_path}: unreadable bundle manifest ({err}); re-run "
-                      "pijax.convert.") from None
+  except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors.
+    raise BundleError(f"{manifest_path}: unreadable bundle manifest "
+                      f"({' '.join(str(err).split())[:200]}); re-run pijax.convert.") from None
   if not isinstance(manifest, dict):
     raise BundleError(f"{manifest_path}: not a bundle manifest (a JSON object); re-run "
                       "pijax.convert.")
-  if manifest.get("format") != BUNDLE_FORMAT or manifest.get("version") not in READ_VERSIONS:
+  version = manifest.get("version")
+  if manifest.get("format") != BUNDLE_FORMAT or type(version) is not int or \
+      version not in READ_VERSIONS:
     raise BundleError(f"{path}: bundle format {manifest.get('format')!r} version "
                       f"{manifest.get('version')!r}, but this pijax reads {BUNDLE_FORMAT!r} "
                       f"versions {', '.join(map(str, READ_VERSIONS))}; re-run pijax.convert.")
@@ -206,29 +208,56 @@ def open_bundle(path: str, *, source: str | None = None
   try:
     src = source or manifest["source"]["path"]
     want = manifest["source"]["sha256"]
-    n_layers = len(manifest["layers"])
-    hidden, inter = (int(manifest["model"][k]) for k in ("hidden_size", "intermediate_size"))
-  except (KeyError, TypeError, ValueError):
-    raise BundleError(f"{path}: its manifest lacks source.path / source.sha256 / layers / "
-                      "model sizes; re-run pijax.convert.") from None
+    layers = manifest["layers"]
+    hidden, inter = (manifest["model"][k] for k in ("hidden_size", "intermediate_size"))
+    if not isinstance(src, str) or not isinstance(want, str) or not isinstance(layers, list) \
+        or any(type(v) is not int or v <= 0 for v in (hidden, inter)):
+      raise TypeError
+    hot_counts = [layer["hot_count"] for layer in layers]
+    if any(type(h) is not int or not 0 <= h <= inter for h in hot_counts):
+      raise TypeError
+  except (KeyError, TypeError, IndexError):
+    raise BundleError(f"{path}: its manifest lacks or mistypes source.path / source.sha256 / "
+                      "layers[].hot_count / model sizes; re-run pijax.convert.") from None
+  n_layers = len(layers)
   if not os.path.isfile(src):
     raise BundleError(f"{path}: its source GGUF {src} is not a file; put the original GGUF "
                       "back at that path (or re-convert).")
   digest = file_sha256(src)
   if digest != want:
     raise BundleError(f"{path}: converted from a GGUF with sha256 "
-                      f"{manifest['source']['sha256'][:16]}..., but {src} has sha256 "
+                      f"{want[:16]}..., but {src} has sha256 "
                       f"{digest[:16]}...; put the original file back at that path or re-convert.")
   tree = read_checkpoint(path)
   _check_perm(path, tree.get("perm"), n_layers, inter)
-  if manifest["version"] == 1 and "ffn" not in tree:
+  if manifest["version"] >= 2:
+    if manifest.get("perm_sha256") != perm_sha256(tree["perm"]):
+      raise BundleError(f"{path}: its neuron order (perm) does not match the sha256 its "
+                        "manifest recorded at conversion; re-run pijax.convert.")
+    if "ffn" in tree:  # Never trusted over the source: version 2 gathers the source's rows.
+      raise BundleError(f"{path}: a version {manifest['version']} bundle holding ffn rows; "
+                        "re-run pijax.convert.")
+  elif "ffn" not in tree:
     raise BundleError(f"{path}: a version 1 bundle without its ffn rows; re-run pijax.convert.")
+  else:
+    _check_ffn(path, tree["ffn"], n_layers, inter, hidden)
+  per_layer = {"cuts": (n_layers,), "thresholds": (n_layers,), "rms_bounds": (n_layers,),
+               "frequencies": (n_layers, inter)}
+  for key, shape in per_layer.items():
+    value = tree.get(key)
+    if key == "rms_bounds" and value is None:
+      continue
+    arr = np.asarray(value) if value is not None else None
+    if arr is None or arr.shape != shape or arr.dtype.kind != "f" or \
+        (key != "cuts" and np.isnan(arr).any()):
+      got = "missing" if arr is None else f"{arr.dtype.name}{list(arr.shape)}"
+      raise BundleError(f"{path}: its checkpoint's {key} is {got}, expected float{list(shape)} "
+                        "without NaN; re-run pijax.convert.")
   bundle = SparseBundle(
       path=os.path.abspath(path), manifest=manifest, ffn=tree.get("ffn"),
       predictors=tree.get("predictors", {}), cuts=tree["cuts"], thresholds=tree["thresholds"],
       rms_bounds=tree.get("rms_bounds", np.full(n_layers, np.inf, np.float32)),
-      frequencies=tree["frequencies"], perm=tree["perm"],
-      hot_counts=[int(layer["hot_count"]) for layer in manifest["layers"]],
+      frequencies=tree["frequencies"], perm=tree["perm"], hot_counts=hot_counts,
       predictor_kind=_predictor_kind(path, manifest), lowbit=tree.get("lowbit"))
   if (bundle.predictor_kind == "mlp") != bool(bundle.predictors) or \
       (bundle.predictor_kind == "lowbit") != (bundle.lowbit is not None):
@@ -237,6 +266,39 @@ def open_bundle(path: str, *, source: str | None = None
   if bundle.lowbit is not None:
     _check_lowbit(path, bundle.lowbit, n_layers, inter, hidden)
   return bundle, src, manifest["model"].get("ffn_activation")
+
+
+def perm_sha256(perm: Any) -> str:
+  """sha256 of a neuron order as i32 bytes (C order): what a version 2 manifest records, since
+  the order decides which of the source's rows each stored neuron is."""
+  import hashlib
+  return hashlib.sha256(np.ascontiguousarray(perm, np.int32).tobytes()).hexdigest()
+
+
+def check_source_config(bundle: SparseBundle, config: Any) -> None:
+  """BundleError unless the bundle's layer and FFN sizes are the source model's (a manifest
+  edited, or converted from another file with the same sha256 claim)."""
+  model = bundle.manifest["model"]
+  want = (len(bundle.hot_counts), model["hidden_size"], model["intermediate_size"])
+  have = (config.n_layers, config.hidden_size, config.intermediate_size)
+  if want != have:
+    raise BundleError(f"{bundle.path}: the bundle describes {want[0]} layers of hidden_size "
+                      f"{want[1]}, intermediate_size {want[2]}, but its source has {have[0]}, "
+                      f"{have[1]}, {have[2]}; re-run pijax.convert.")
+
+
+def _check_ffn(path: str, ffn: Any, n_layers: int, n: int, d: int) -> None:
+  """BundleError unless a version 1 checkpoint's ffn holds every layer's gate, up and down as
+  float [F, D] rows."""
+  for i in range(n_layers):
+    rows = ffn.get(f"layers_{i}") if isinstance(ffn, dict) else None
+    for w in ("gate", "up", "down"):
+      arr = rows.get(w) if isinstance(rows, dict) else None
+      if arr is None or np.shape(arr) != (n, d) or np.asarray(arr).dtype.kind != "f":
+        got = "missing" if arr is None else \
+            f"{np.asarray(arr).dtype.name}{list(np.shape(arr))}"
+        raise BundleError(f"{path}: its ffn rows layers_{i}/{w} are {got}, expected "
+                          f"float[{n}, {d}]; re-run pijax.convert.")
 
 
 def _check_perm(path: str, perm: Any, n_layers: int, n_neurons: int) -> None:
