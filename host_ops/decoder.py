@@ -272,7 +272,7 @@ def _layer_gated(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
 @numba_extending.overload(_layer_gated, jit_options=_common._JIT)
 def _layer_gated_overload(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
   """`gated_ffn.gated_ffn`'s kernel for stacked up rows (Q4_1 (qs, d, m) or Q8_0 (q, d), each
-  [L, F, ...]) and stacked neuron-major Q8_0 down rows dt_q i8[L, F, D], dt_d f32[L, F, D/32];
+  [L, F, ...]) and stacked neuron-major Q8_0 down rows dt_q i8[L, F, D], dt_d u16[L, F, D/32];
   the integer kernel only where qdot.AVAILABLE."""
   block = np.int64(qmatmul.BLOCK)
   q4 = len(up_w) == 3
@@ -348,7 +348,7 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
 
 
 # Placeholder neuron-major down rows for `_layers_kernel` when the gate-first FFN is off.
-_NO_DOWN_T = (np.zeros((0, 0, qmatmul.BLOCK), np.int8), np.zeros((0, 0, 1), np.float32))
+_NO_DOWN_T = (np.zeros((0, 0, qmatmul.BLOCK), np.int8), np.zeros((0, 0, 1), np.uint16))
 
 
 class HostDecoder:
@@ -509,7 +509,7 @@ class HostDecoder:
     return attn + self.ffn_bytes_per_token(active_fraction) + self.lm_head.file_bytes()
 
   def nbytes(self) -> int:
-    """Host bytes held (codes, f32 scales, norms); a tied head is counted once."""
+    """Host bytes held (codes, f16 scales, norms); a tied head is counted once."""
     mats = [w for layer in self.layers for w in layer.matrices()] + [self.embedding]
     if self.lm_head is not self.embedding:
       mats.append(self.lm_head)

@@ -29,6 +29,7 @@ import numba
 import numpy as np
 
 from host_ops import _common
+from host_ops import qblocks
 from host_ops import qdot
 from host_ops import qmatmul
 from host_ops._common import HostOpError
@@ -81,12 +82,13 @@ def _prefetch_up(ids, j, hi, up_w, up_d, up_m, q4):
 
 @numba.njit(inline="always", **_common._JIT)
 def _add_row_q8_0(acc, a, q_row, d_row, block):
-  """acc += a * dequant(q_row) (acc: f32[D]; q_row: i8[D]; d_row: f32[D/32]; block = 32 passed
-  at run time: with a constant inner trip count LLVM unrolls the loop and cannot vectorize the
-  store, as numba cannot tell it acc and the rows do not alias; see host_ops/quant.py)."""
+  """acc += a * dequant(q_row) (acc: f32[D]; q_row: i8[D]; d_row: u16[D/32], f16 bits; block =
+  32 passed at run time: with a constant inner trip count LLVM unrolls the loop and cannot
+  vectorize the store, as numba cannot tell it acc and the rows do not alias; see
+  host_ops/quant.py)."""
   for blk in range(d_row.shape[0]):
     base = blk * block
-    s = a * d_row[blk]
+    s = a * qblocks.f16_to_f32(d_row[blk])
     for j in range(block):
       acc[base + j] += s * np.float32(q_row[base + j])
 
@@ -99,7 +101,8 @@ def _add_rows4_q8_0(acc, a, ids, dt_q, dt_d, block):
   d0, d1, d2, d3 = dt_d[ids[0]], dt_d[ids[1]], dt_d[ids[2]], dt_d[ids[3]]
   for blk in range(d0.shape[0]):
     base = blk * block
-    s0, s1, s2, s3 = a[0] * d0[blk], a[1] * d1[blk], a[2] * d2[blk], a[3] * d3[blk]
+    s0, s1 = a[0] * qblocks.f16_to_f32(d0[blk]), a[1] * qblocks.f16_to_f32(d1[blk])
+    s2, s3 = a[2] * qblocks.f16_to_f32(d2[blk]), a[3] * qblocks.f16_to_f32(d3[blk])
     for j in range(block):
       k = base + j
       acc[k] += (s0 * np.float32(q0[k]) + s1 * np.float32(q1[k])) + \
@@ -163,7 +166,7 @@ def _up_pass(g, h, up_w, up_d, up_m, cut, code, n_threads, q4):
   """Pass 1: (acts f32[b, F]: act(g, up . h) for the neurons whose gate passes, 0 elsewhere;
   passed i64[b]: how many passed, i.e. up rows read).
 
-  up: Q4_1 (q4 true: up_w nibbles u8[F, D/2], up_d, up_m f32[F, D/32]) or Q8_0 (up_w i8[F, D];
+  up: Q4_1 (q4 true: up_w nibbles u8[F, D/2], up_d, up_m u16[F, D/32]) or Q8_0 (up_w i8[F, D];
   up_m unused), f32 dots. Each thread takes a contiguous share of each row's gate-active list,
   whole rows prefetched AHEAD neurons ahead. Two passes, not one: prefetching a neuron's down
   row before its up row says it is active wasted half the down reads on dReLU (7B shapes: 4.0
@@ -222,8 +225,8 @@ def _gated_kernel(g, h, up_w, up_d, up_m, dt_q, dt_d, cut, code, n_threads, bloc
   i64[b]: neurons with a nonzero activation, passed i64[b]: neurons whose gate passed).
 
   g: f32[b, F] gate pre-activations; h: f32[b, D]; up: Q4_1 rows [F, D] (q4 true: up_w nibbles
-  u8[F, D/2], up_d and up_m f32[F, D/32]) or Q8_0 (up_w i8[F, D], up_d; up_m unused);
-  down_t: Q8_0 rows [F, D] (dt_q i8[F, D], dt_d f32[F, D/32]).
+  u8[F, D/2], up_d and up_m u16[F, D/32]) or Q8_0 (up_w i8[F, D], up_d; up_m unused);
+  down_t: Q8_0 rows [F, D] (dt_q i8[F, D], dt_d u16[F, D/32]; scales as f16 bits).
   """
   acts, passed = _up_pass(g, h, up_w, up_d, up_m, cut, code, n_threads, q4)
   y, counts = _down_pass(acts, dt_q, dt_d, n_threads, block)
@@ -270,7 +273,7 @@ def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
   if dot not in qmatmul.DOTS:
     raise HostOpError(f"gated_ffn: dot must be one of {', '.join(qmatmul.DOTS)}, got {dot!r}")
   q4 = up.kind == qmatmul.Q4_1
-  m = up.arrays[2] if q4 else up.arrays[1]  # Q8_0: a placeholder f32[F, D/32], never read.
+  m = up.arrays[2] if q4 else up.arrays[1]  # Q8_0: a placeholder u16[F, D/32], never read.
   kernel = _gated_int8_kernel if dot == qmatmul.DOT_INT8 and qdot.AVAILABLE else _gated_kernel
   return kernel(g, h, up.arrays[0], up.arrays[1], m, *down_t.arrays, np.float32(cut), code,
                 _common.ensure_host_threads(), np.int64(qmatmul.BLOCK), q4)

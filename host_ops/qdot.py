@@ -38,6 +38,7 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from host_ops import _common
+from host_ops import qblocks
 
 BLOCK = 32
 Q4_1 = "q4_1"
@@ -99,7 +100,9 @@ def _row_dot_codegen(q4):
         w = _load(builder, wp, builder.mul(b, ir.Constant(b.type, 32)), _vec(_I8, 32))
         w, x = builder.call(psign, [w, w]), builder.call(psign, [x, w])
       isum = builder.call(maddwd, [builder.call(maddubs, [w, x]), ones])
-      scale = builder.fmul(builder.load(builder.gep(dp, [b])), builder.load(builder.gep(sp, [b])))
+      # d holds f16 bits (as the file): widened here, one vcvtph2ps per block with F16C.
+      d_b = qblocks._half_to_float(builder, builder.load(builder.gep(dp, [b])))
+      scale = builder.fmul(d_b, builder.load(builder.gep(sp, [b])))
       splat = builder.shuffle_vector(
           builder.insert_element(ir.Constant(_vec(_F32, 8), ir.Undefined), scale,
                                  ir.Constant(_I32, 0)),
@@ -119,14 +122,14 @@ def _row_dot_codegen(q4):
 @intrinsic
 def _row_dot_q4_1(typingctx, qs, d, xq, dx):
   """f32: sum_b d[b] dx[b] <nibbles of qs[16 b:16 b + 16], xq[32 b:32 b + 32]>.
-  qs: u8[D/2]; d: f32[D/32]; xq: i8[D]; dx: f32[D/32] (all contiguous)."""
+  qs: u8[D/2]; d: u16[D/32] (f16 bits); xq: i8[D]; dx: f32[D/32] (all contiguous)."""
   return types.float32(qs, d, xq, dx), _row_dot_codegen(q4=True)
 
 
 @intrinsic
 def _row_dot_q8_0(typingctx, q, d, xq, dx):
-  """f32: sum_b d[b] dx[b] <q[32 b:32 b + 32], xq[32 b:32 b + 32]>. q, xq: i8[D]; d, dx:
-  f32[D/32]."""
+  """f32: sum_b d[b] dx[b] <q[32 b:32 b + 32], xq[32 b:32 b + 32]>. q, xq: i8[D]; d: u16[D/32]
+  (f16 bits); dx: f32[D/32]."""
   return types.float32(q, d, xq, dx), _row_dot_codegen(q4=False)
 
 
@@ -161,19 +164,19 @@ def quantize_x(x):
 
 @numba.njit(inline="always", **_common._JIT)
 def offset_dot(m_row, xsum_row):
-  """sum_b m_row[b] * xsum_row[b]: Q4_1's offset term against the quantized block sums (one
-  loop; fastmath lets LLVM vectorize the reduction: four hand-split partial sums ran SmolLM2
-  decode ~12% slower)."""
+  """sum_b m_row[b] * xsum_row[b]: Q4_1's offset term against the quantized block sums (m_row:
+  u16 f16 bits; one loop; fastmath lets LLVM vectorize the reduction: four hand-split partial
+  sums ran SmolLM2 decode ~12% slower)."""
   s = np.float32(0.0)
   for b in range(m_row.shape[0]):
-    s += m_row[b] * xsum_row[b]
+    s += qblocks.f16_to_f32(m_row[b]) * xsum_row[b]
   return s
 
 
 @numba.njit(parallel=True, **_common._JIT)
 def gemv_q4_1(qs, d, m, x, out):
-  """out[r, i] = W[i] . x[r] with x quantized per block. qs: u8[n, D/2]; d, m: f32[n, D/32];
-  x: f32[b, D]; out: f32[b, n]."""
+  """out[r, i] = W[i] . x[r] with x quantized per block. qs: u8[n, D/2]; d, m: u16[n, D/32]
+  (f16 bits); x: f32[b, D]; out: f32[b, n]."""
   xq, dx, xsum = quantize_x(x)
   n = qs.shape[0]
   for i in numba.prange(n):
@@ -185,8 +188,8 @@ def gemv_q4_1(qs, d, m, x, out):
 
 @numba.njit(parallel=True, **_common._JIT)
 def gemv_q8_0(q, d, x, out):
-  """out[r, i] = W[i] . x[r] with x quantized per block. q: i8[n, D]; d: f32[n, D/32];
-  x: f32[b, D]; out: f32[b, n]."""
+  """out[r, i] = W[i] . x[r] with x quantized per block. q: i8[n, D]; d: u16[n, D/32] (f16
+  bits); x: f32[b, D]; out: f32[b, n]."""
   xq, dx, _ = quantize_x(x)
   n = q.shape[0]
   for i in numba.prange(n):
@@ -220,14 +223,17 @@ def matmul_reference(kind: str, arrays, x) -> np.ndarray:
   b, dim = x.shape
   nb = dim // BLOCK
   xhat = (xq.reshape(b, nb, BLOCK).astype(np.float64) * dx[..., None]).reshape(b, dim)
+  def widen(bits):  # f16 bits -> f64 values.
+    return np.asarray(bits, np.uint16).view(np.float16).astype(np.float64)
+
   if kind == Q4_1:
     qs, d, m = arrays
     n = qs.shape[0]
     codes = qs.reshape(n, nb, 16).astype(np.int64)
     q = np.concatenate([codes & 15, codes >> 4], axis=2).astype(np.float64)  # [n, nb, 32]
-    scaled = (q * d[..., None].astype(np.float64)).reshape(n, dim)
-    return (xhat @ scaled.T + xsum.astype(np.float64) @ m.astype(np.float64).T).astype(np.float32)
+    scaled = (q * widen(d)[..., None]).reshape(n, dim)
+    return (xhat @ scaled.T + xsum.astype(np.float64) @ widen(m).T).astype(np.float32)
   q, d = arrays
   n = q.shape[0]
-  w = (q.reshape(n, nb, BLOCK).astype(np.float64) * d[..., None]).reshape(n, dim)
+  w = (q.reshape(n, nb, BLOCK).astype(np.float64) * widen(d)[..., None]).reshape(n, dim)
   return (xhat @ w.T).astype(np.float32)

@@ -7,11 +7,16 @@ weight with exactly the values the f32 dense path dequantizes (activations stay 
 summation order differs).
 
 Formats (rows of a matrix stored [out, in], D = in, a multiple of `block_size(kind)`):
-  Q4_1 (kind "q4_1"): qs: u8[n, D/2], d: f32[n, D/32], m: f32[n, D/32]. Value k of block b is
-    d[b] * q + m[b] with q = qs[16 b + k] & 15 for k < 16 and qs[16 b + k - 16] >> 4 for k >= 16
-    (GGUF's nibble order; its f16 d and m are widened to f32 exactly).
-  Q8_0 (kind "q8_0"): q: i8[n, D], d: f32[n, D/32]; value = d[j // 32] * q[j]. The same layout as
-    `host_ops.quant`'s Q8 rows, so `quant.quantize_q8` makes one from f32.
+  Q4_1 (kind "q4_1"): qs: u8[n, D/2], d: u16[n, D/32], m: u16[n, D/32] (the bits of the file's
+    f16 scales: numba has no f16 type; kernels widen them with `qblocks.f16_to_f32`). Value k of
+    block b is d[b] * q + m[b] with q = qs[16 b + k] & 15 for k < 16 and qs[16 b + k - 16] >> 4
+    for k >= 16 (GGUF's nibble order).
+  Q8_0 (kind "q8_0"): q: i8[n, D], d: u16[n, D/32] (f16 bits); value = d[j // 32] * q[j].
+    `quantize_q8_0` makes one from f32 rows (`host_ops.quant`'s Q8 rows, scales rounded to f16
+    as ggml's Q8_0 stores them).
+  Codes and scales sit in separate arrays (the SIMD kernels load 16/32 code bytes per block);
+  they hold exactly the file's bytes, 20 (Q4_1) / 34 (Q8_0) per block of 32 as in the file. f32
+  scales took 24 / 36: SmolLM2's host blocks were 13.5 MB larger.
   Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16 (kinds "q4_0" ... "bf16", `RAW_KINDS`): raw:
     u8[n, row bytes], the file's own blocks (a view of the GGUF's memory map when made by
     `from_gguf_blocks`: no copy, f16 scales decoded inside the kernels). Formats and kernels:
@@ -43,6 +48,7 @@ from host_ops import _common
 from host_ops import qblocks
 from host_ops import qdot
 from host_ops._common import HostOpError
+from host_ops.qblocks import f16_to_f32 as _f32
 
 BLOCK = 32  # Values per block of Q4_1 and Q8_0.
 Q4_1 = "q4_1"
@@ -100,10 +106,10 @@ def _dot_q4_1(qs_row, d_row, m_row, xlo, xhi, xsum):
   acc = np.float32(0.0)
   for j in range(qs_row.shape[0]):
     c = np.int32(qs_row[j])
-    acc += d_row[j >> 4] * (np.float32(c & 15) * xlo[j] + np.float32(c >> 4) * xhi[j])
+    acc += _f32(d_row[j >> 4]) * (np.float32(c & 15) * xlo[j] + np.float32(c >> 4) * xhi[j])
   bias = np.float32(0.0)
   for b in range(m_row.shape[0]):
-    bias += m_row[b] * xsum[b]
+    bias += _f32(m_row[b]) * xsum[b]
   return acc + bias
 
 
@@ -112,7 +118,7 @@ def _dot_q8_0(q_row, d_row, x):
   """One Q8_0 row . x (x: f32[D])."""
   acc = np.float32(0.0)
   for j in range(q_row.shape[0]):
-    acc += d_row[j >> 5] * np.float32(q_row[j]) * x[j]
+    acc += _f32(d_row[j >> 5]) * np.float32(q_row[j]) * x[j]
   return acc
 
 
@@ -139,7 +145,8 @@ def split_q4_1_x(x):
 
 @numba.njit(parallel=True, **_common._JIT)
 def _gemv_q4_1_kernel(qs, d, m, x, out):
-  """out[r, i] = W[i] . x[r]. qs: u8[n, D/2]; d, m: f32[n, D/32]; x: f32[b, D]; out: f32[b, n]."""
+  """out[r, i] = W[i] . x[r]. qs: u8[n, D/2]; d, m: u16[n, D/32] (f16 bits); x: f32[b, D];
+  out: f32[b, n]."""
   xlo, xhi, xsum = split_q4_1_x(x)
   n = qs.shape[0]
   for i in numba.prange(n):
@@ -149,7 +156,8 @@ def _gemv_q4_1_kernel(qs, d, m, x, out):
 
 @numba.njit(parallel=True, **_common._JIT)
 def _gemv_q8_0_kernel(q, d, x, out):
-  """out[r, i] = W[i] . x[r]. q: i8[n, D]; d: f32[n, D/32]; x: f32[b, D]; out: f32[b, n]."""
+  """out[r, i] = W[i] . x[r]. q: i8[n, D]; d: u16[n, D/32] (f16 bits); x: f32[b, D];
+  out: f32[b, n]."""
   n = q.shape[0]
   for i in numba.prange(n):
     for r in range(x.shape[0]):
@@ -160,8 +168,8 @@ def _gemv_q8_0_kernel(q, d, x, out):
 def _dequant_row_q4_1(qs_row, d_row, m_row, out):
   """out: f32[D] = one Q4_1 row."""
   for blk in range(d_row.shape[0]):
-    scale = d_row[blk]
-    low = m_row[blk]
+    scale = _f32(d_row[blk])
+    low = _f32(m_row[blk])
     for k in range(16):
       c = np.int32(qs_row[16 * blk + k])
       out[32 * blk + k] = scale * np.float32(c & 15) + low
@@ -172,7 +180,7 @@ def _dequant_row_q4_1(qs_row, d_row, m_row, out):
 def _dequant_row_q8_0(q_row, d_row, out):
   """out: f32[D] = one Q8_0 row."""
   for j in range(q_row.shape[0]):
-    out[j] = d_row[j >> 5] * np.float32(q_row[j])
+    out[j] = _f32(d_row[j >> 5]) * np.float32(q_row[j])
 
 
 @numba.njit(inline="always", **_common._JIT)
@@ -224,8 +232,8 @@ def _tile_dots(w, rows, x, out, lo):
 @numba.njit(parallel=True, **_common._JIT)
 def _gemm_q4_1_kernel(qs, d, m, x, out):
   """out = x @ W.T for many rows of x: tiles of 16 weight rows are dequantized once into an f32
-  buffer and dotted with every row of x (4 at a time). qs: u8[n, D/2]; d, m: f32[n, D/32];
-  x: f32[b, D]."""
+  buffer and dotted with every row of x (4 at a time). qs: u8[n, D/2]; d, m: u16[n, D/32]
+  (f16 bits); x: f32[b, D]."""
   n = qs.shape[0]
   for tile in numba.prange((n + _TILE - 1) // _TILE):
     lo = tile * _TILE
@@ -253,22 +261,14 @@ def _gemm_q8_0_kernel(q, d, x, out):
 def _dequant_q4_1_kernel(qs, d, m, lo, hi, out):
   """out[i - lo] = W[i] as f32, rows [lo, hi). out: f32[>= hi - lo, D]."""
   for i in numba.prange(lo, hi):
-    row = out[i - lo]
-    for j in range(qs.shape[1]):
-      c = np.int32(qs[i, j])
-      blk = j >> 4
-      k = j & 15
-      row[32 * blk + k] = d[i, blk] * np.float32(c & 15) + m[i, blk]
-      row[32 * blk + 16 + k] = d[i, blk] * np.float32(c >> 4) + m[i, blk]
+    _dequant_row_q4_1(qs[i], d[i], m[i], out[i - lo])
 
 
 @numba.njit(parallel=True, **_common._JIT)
 def _dequant_q8_0_kernel(q, d, lo, hi, out):
   """out[i - lo] = W[i] as f32, rows [lo, hi). out: f32[>= hi - lo, D]."""
   for i in numba.prange(lo, hi):
-    row = out[i - lo]
-    for j in range(q.shape[1]):
-      row[j] = d[i, j >> 5] * np.float32(q[i, j])
+    _dequant_row_q8_0(q[i], d[i], out[i - lo])
 
 
 # Bytes of each thread's next row the raw-kind gemv prefetches, per kind: (f32, int8). Measured
@@ -379,10 +379,10 @@ class QMatrix:
                         f"2-D arrays, got {len(arrays)} arrays")
     n, width = arrays[0].shape
     if kind == Q4_1:
-      want = ((np.uint8, (n, width)), (np.float32, (n, width // 16)),
-              (np.float32, (n, width // 16)))
+      want = ((np.uint8, (n, width)), (np.uint16, (n, width // 16)),
+              (np.uint16, (n, width // 16)))
     else:
-      want = ((np.int8, (n, width)), (np.float32, (n, width // 32)))
+      want = ((np.int8, (n, width)), (np.uint16, (n, width // 32)))
     for a, (dtype, shape) in zip(arrays, want):
       if a.dtype != dtype or a.shape != shape:
         raise HostOpError(f"{kind} matrix: got {[f'{x.dtype}{list(x.shape)}' for x in arrays]}; "
@@ -428,7 +428,7 @@ class QMatrix:
     """Whether no scale (no value, for F16/BF16) is NaN or inf: a corrupt file's only way to
     hold them. Reads the scales in place (numba; no f32 copy)."""
     if self.kind not in RAW_KINDS:
-      return all(np.isfinite(a).all() for a in self.arrays if a.dtype.kind == "f")
+      return all(np.isfinite(a.view(np.float16)).all() for a in self.arrays[1:])
     _common.ensure_host_threads()
     fields = np.asarray(_F16_FIELDS[self.kind], np.int64)
     return bool(_raw_finite_kernel(self.arrays[0], _GEOMETRY[self.kind][1], fields,
@@ -525,7 +525,7 @@ def from_gguf_blocks(kind: str, data: np.ndarray, shape: tuple[int, int],
     data: gguf.GGUFReader's `tensor.data`: u8[n, D / values * block bytes] for a quantized
       matrix (BF16 included), f16[n, D] for F16; any dtype of the right byte count is read as
       its bytes. For the raw kinds the QMatrix keeps a view of it (no copy: a memory map stays
-      a memory map); q4_1/q8_0 are split into codes and f32 scales (copies).
+      a memory map); q4_1/q8_0 are split into codes and f16 scales (copies of the bytes).
     shape: (n, D) in NumPy order ([out, in]).
     copied: for q4_1/q8_0, called with (lo, hi) after rows [lo, hi) are copied (~16 MB at a
       time), e.g. to drop those rows' pages of the memory map.
@@ -552,17 +552,17 @@ def from_gguf_blocks(kind: str, data: np.ndarray, shape: tuple[int, int],
   if kind in RAW_KINDS:
     return QMatrix(kind, (raw.reshape(n, nb * nbytes),))
   blocks = raw.reshape(n, nb, nbytes)
-  d = np.empty((n, nb), np.float32)
+  d = np.empty((n, nb), np.uint16)
   if kind == Q4_1:
-    arrays = (np.empty((n, nb * 16), np.uint8), d, np.empty((n, nb), np.float32))
+    arrays = (np.empty((n, nb * 16), np.uint8), d, np.empty((n, nb), np.uint16))
   else:
     arrays = (np.empty((n, dim), np.int8), d)
   step = max(1, _COPY_CHUNK_BYTES // (nb * nbytes))
   for lo in range(0, n, step):  # In row chunks, so a caller can drop each chunk's source pages.
     b = blocks[lo:lo + step]
-    d[lo:lo + step] = b[:, :, 0:2].copy().view(np.float16).reshape(len(b), nb)
+    d[lo:lo + step] = b[:, :, 0:2].copy().view(np.uint16).reshape(len(b), nb)
     if kind == Q4_1:
-      arrays[2][lo:lo + step] = b[:, :, 2:4].copy().view(np.float16).reshape(len(b), nb)
+      arrays[2][lo:lo + step] = b[:, :, 2:4].copy().view(np.uint16).reshape(len(b), nb)
       arrays[0][lo:lo + step] = b[:, :, 4:20].reshape(len(b), nb * 16)
     else:
       arrays[0][lo:lo + step] = b[:, :, 2:34].reshape(len(b), dim).view(np.int8)
@@ -582,10 +582,21 @@ def stack_rows(mats: list[QMatrix]) -> QMatrix:
 
 
 def quantize_q8_0(rows) -> QMatrix:
-  """f32[n, D] -> Q8_0 QMatrix (scale max|block| / 127, round to nearest; see host_ops.quant)."""
+  """f32[n, D] -> Q8_0 QMatrix (scale max|block| / 127, round to nearest, as ggml's
+  `quantize_row_q8_0`: the codes from the f32 scale, the scale stored as f16)."""
   from host_ops import quant
   q8 = quant.quantize_q8(rows)
-  return QMatrix(Q8_0, (q8.q, q8.scales))
+  return QMatrix(Q8_0, (q8.q, f16_bits(q8.scales)))
+
+
+def f16_bits(values) -> np.ndarray:
+  """u16 bits of `values` rounded to f16 (the scale arrays of Q4_1/Q8_0 matrices)."""
+  return np.ascontiguousarray(np.asarray(values, np.float32).astype(np.float16).view(np.uint16))
+
+
+def f16_values(bits) -> np.ndarray:
+  """f32 values of u16 f16 bits (a Q4_1/Q8_0 scale array, for references)."""
+  return np.asarray(bits, np.uint16).view(np.float16).astype(np.float32)
 
 
 def _f16_reference(b: np.ndarray) -> np.ndarray:
@@ -665,10 +676,11 @@ def dequantize_reference(w: QMatrix) -> np.ndarray:
     qs, d, m = w.arrays
     codes = qs.reshape(n, nb, 16).astype(np.float64)
     q = np.concatenate([np.mod(codes, 16), np.floor(codes / 16)], axis=2)  # [n, nb, 32]
-    vals = q * d[..., None].astype(np.float64) + m[..., None].astype(np.float64)
+    vals = q * f16_values(d)[..., None].astype(np.float64) + \
+        f16_values(m)[..., None].astype(np.float64)
   else:
     q, d = w.arrays
-    vals = q.reshape(n, nb, BLOCK).astype(np.float64) * d[..., None].astype(np.float64)
+    vals = q.reshape(n, nb, BLOCK).astype(np.float64) * f16_values(d)[..., None].astype(np.float64)
   return vals.reshape(n, dim)
 
 

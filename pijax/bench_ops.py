@@ -485,10 +485,10 @@ def matvec_copies(rows: int, cols: int, fmt: str, copies: int, seed: int = 0):
   rng = np.random.default_rng([seed, rows, cols])
   nb = cols // qmatmul.BLOCK
   total = copies * rows
-  d = rng.uniform(0.001, 0.02, (total, nb)).astype(np.float32)
+  d = qmatmul.f16_bits(rng.uniform(0.001, 0.02, (total, nb)))
   if fmt == "q4_1":
     arrays = (rng.integers(0, 256, (total, cols // 2), dtype=np.uint8), d,
-              rng.uniform(-0.1, 0.1, (total, nb)).astype(np.float32))
+              qmatmul.f16_bits(rng.uniform(-0.1, 0.1, (total, nb))))
   else:
     arrays = (rng.integers(-128, 128, (total, cols), dtype=np.int8), d)
   return [qmatmul.QMatrix(fmt, tuple(a[c * rows:(c + 1) * rows] for a in arrays))

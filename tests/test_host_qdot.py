@@ -21,11 +21,11 @@ def _two_threads():
 def _random(rng, kind, n, dim, *, extreme=False):
   """Random blocks; extreme: every Q8_0 code at -128/127 and Q4_1 at 15 (largest i16 pair sums)."""
   nb = dim // 32
-  d = rng.uniform(0.001, 0.05, (n, nb)).astype(np.float16).astype(np.float32)
+  d = qmatmul.f16_bits(rng.uniform(0.001, 0.05, (n, nb)))
   if kind == "q4_1":
     qs = np.full((n, dim // 2), 255, np.uint8) if extreme else \
         rng.integers(0, 256, (n, dim // 2), dtype=np.uint8)
-    m = rng.uniform(-0.3, 0.1, (n, nb)).astype(np.float16).astype(np.float32)
+    m = qmatmul.f16_bits(rng.uniform(-0.3, 0.1, (n, nb)))
     return qmatmul.QMatrix(kind, (qs, d, m))
   q = rng.choice(np.array([-128, 127], np.int8), (n, dim)) if extreme else \
       rng.integers(-128, 128, (n, dim), dtype=np.int8)
