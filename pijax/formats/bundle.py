@@ -231,9 +231,11 @@ def open_bundle(path: str, *, source: str | None = None
   tree = read_checkpoint(path)
   _check_perm(path, tree.get("perm"), n_layers, inter)
   if manifest["version"] >= 2:
-    if manifest.get("perm_sha256") != perm_sha256(tree["perm"]):
-      raise BundleError(f"{path}: its neuron order (perm) does not match the sha256 its "
-                        "manifest recorded at conversion; re-run pijax.convert.")
+    recorded = manifest.get("perm_sha256")
+    if recorded != perm_sha256(tree["perm"]):
+      raise BundleError(f"{path}: its neuron order (perm) " + (
+          "does not match the sha256 its manifest recorded at conversion" if recorded else
+          "has no sha256 in its manifest (perm_sha256)") + "; re-run pijax.convert.")
     if "ffn" in tree:  # Never trusted over the source: version 2 gathers the source's rows.
       raise BundleError(f"{path}: a version {manifest['version']} bundle holding ffn rows; "
                         "re-run pijax.convert.")
