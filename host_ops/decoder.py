@@ -264,30 +264,35 @@ def _layer_matmul_overload(w, i, x, out, int8):
   return q8_0 if qdot.AVAILABLE else q8_0_f32
 
 
-def _layer_gated(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
+def _layer_gated(up_w, i, g, h, dt, cut, code, n_threads, int8):
   """(y, active) of the gate-first FFN of layer i (numba only; see the overload below)."""
   raise NotImplementedError("_layer_gated runs inside numba-compiled code only")
 
 
 @numba_extending.overload(_layer_gated, jit_options=_common._JIT)
-def _layer_gated_overload(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
+def _layer_gated_overload(up_w, i, g, h, dt, cut, code, n_threads, int8):
   """`gated_ffn.gated_ffn`'s kernel for stacked up rows (Q4_1 (qs, d, m) or Q8_0 (q, d), each
-  [L, F, ...]) and stacked neuron-major Q8_0 down rows dt_q i8[L, F, D], dt_d u16[L, F, D/32];
-  the integer kernel only where qdot.AVAILABLE."""
+  [L, F, ...]) and stacked neuron-major down rows dt: Q8_0 (i8[L, F, D], u16[L, F, D/32]) or
+  Q4_1 (u8[L, F, D/2], u16[L, F, D/32] twice); the integer kernel only where qdot.AVAILABLE."""
   block = np.int64(qmatmul.BLOCK)
   q4 = len(up_w) == 3
   m = 2 if q4 else 1  # Q8_0: its scales stand in for the offsets, never read.
+  if len(dt) == 3:
+    layer_dt = lambda dt, i: (dt[0][i], dt[1][i], dt[2][i])  # noqa: E731
+  else:
+    layer_dt = lambda dt, i: (dt[0][i], dt[1][i])  # noqa: E731
+  layer_dt = numba.njit(inline="always", **_common._JIT)(layer_dt)
   if not qdot.AVAILABLE:
-    def f32_only(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
-      return gated_lib._gated_kernel(g, h, up_w[0][i], up_w[1][i], up_w[m][i], dt_q[i], dt_d[i],
+    def f32_only(up_w, i, g, h, dt, cut, code, n_threads, int8):
+      return gated_lib._gated_kernel(g, h, up_w[0][i], up_w[1][i], up_w[m][i], layer_dt(dt, i),
                                      cut, code, n_threads, block, q4)
     return f32_only
 
-  def impl(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8):
+  def impl(up_w, i, g, h, dt, cut, code, n_threads, int8):
     if int8:
-      return gated_lib._gated_int8_kernel(g, h, up_w[0][i], up_w[1][i], up_w[m][i], dt_q[i],
-                                          dt_d[i], cut, code, n_threads, block, q4)
-    return gated_lib._gated_kernel(g, h, up_w[0][i], up_w[1][i], up_w[m][i], dt_q[i], dt_d[i],
+      return gated_lib._gated_int8_kernel(g, h, up_w[0][i], up_w[1][i], up_w[m][i],
+                                          layer_dt(dt, i), cut, code, n_threads, block, q4)
+    return gated_lib._gated_kernel(g, h, up_w[0][i], up_w[1][i], up_w[m][i], layer_dt(dt, i),
                                    cut, code, n_threads, block, q4)
   return impl
 
@@ -295,8 +300,7 @@ def _layer_gated_overload(up_w, i, g, h, dt_q, dt_d, cut, code, n_threads, int8)
 @numba.njit(**_common._JIT)
 def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, down_w, extras,
                    cache_k, cache_v, pos, cos, sin, rope_of, windows, adjacent, n_heads, n_kv,
-                   head_dim, scale, eps, code, int8, cuts, dt_q, dt_d, active, passed,
-                   n_threads):
+                   head_dim, scale, eps, code, int8, cuts, dt, active, passed, n_threads):
   """Every layer of the decoder in one compiled call (the same kernels, in the same order, as
   `HostDecoder.forward`'s per-layer loop, so the same result bit for bit, without ~8 Python
   calls per layer). x: f32[b t, D] embeddings -> f32[b t, D] after the last layer.
@@ -304,8 +308,8 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
   (qkv_bias f32[L, E], q_norm, k_norm f32[L, H], post_attn_norm, post_ffn_norm f32[L, D]), each
   [L, 0] when the family has none; cache_k, cache_v: f32[L, b, S, K, H]; cos, sin: f32[n, t, R/2]
   RoPE tables, layer i using table rope_of[i]; windows: i64[L] (0: global attention).
-  Gate-first FFN (`gated_ffn`) when cuts (f32[L]) is not empty: down rows neuron-major in dt_q,
-  dt_d ([L, F, ...] Q8_0); layer i's fraction of neurons computed (down rows read) is written
+  Gate-first FFN (`gated_ffn`) when cuts (f32[L]) is not empty: down rows neuron-major in dt
+  ([L, F, ...] Q8_0 or Q4_1 arrays); layer i's fraction of neurons computed (down rows read) is written
   to active[i], of neurons whose gate passed (up rows read) to passed[i].
   (numba's disk cache keys this function on decoder.py only: after editing a kernel it calls
   in another file, clear host_ops/__pycache__/*.nb[ic].)"""
@@ -333,8 +337,7 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
     h = _rms_norm_kernel(x, ffn_norms[i], eps)
     _layer_matmul(gate_w, i, h, g, int8)
     if cuts.shape[0]:
-      ffn, counts, passed_i = _layer_gated(up_w, i, g, h, dt_q, dt_d, cuts[i], code, n_threads,
-                                           int8)
+      ffn, counts, passed_i = _layer_gated(up_w, i, g, h, dt, cuts[i], code, n_threads, int8)
       active[i] = counts.sum() / (rows * f)
       passed[i] = passed_i.sum() / (rows * f)
     else:
@@ -407,7 +410,7 @@ class HostDecoder:
     self.attn_scale = float(attn_scale) if attn_scale else float(head_dim) ** -0.5
     self.embedding_scale = float(embedding_scale)
     self.gate_cuts = None  # Per-layer cuts when the gate-first sparse FFN is on (enable_gated).
-    self._down_t = None  # Per-layer neuron-major Q8_0 down rows for it.
+    self._down_t = None  # Per-layer neuron-major down rows for it (Q8_0 or Q4_1).
     self._stacked_down_t = None  # The same rows stacked [L, F, ...] for `_layers_kernel`.
     self._record = None  # Calibration: per-layer lists of |act_gate(g)| (calibrate_gate_cuts).
     self.last_active = np.ones(len(layers), np.float32)  # Active FFN fraction, last forward.
@@ -525,11 +528,17 @@ class HostDecoder:
     return HostKVCache(_lazy_zeros(shape), _lazy_zeros(shape))
 
   # ------------------------------------------------------------------------- sparsity
-  def enable_gated(self, cuts) -> None:
+  def enable_gated(self, cuts, down_format: str | None = None) -> None:
     """Turns on the gate-first sparse FFN (`host_ops.gated_ffn`) with per-layer cuts
     (float[L], >= 0; ReLU families skip exactly g <= 0 whatever the cut), or off with None.
 
-    The first call stores each layer's down matrix neuron-major in Q8_0 (~1.06 bytes/weight).
+    down_format: the neuron-major down rows, re-quantized from the file's values: "q8_0"
+    (1.0625 bytes/weight; the default: SmolLM2 Q4_1 perplexity 27.09 against 26.99 dense) or
+    "q4_1" (0.625: 41% fewer bytes per active neuron, but a second 4-bit rounding: 28.45;
+    BUILD_NOTES.md, issue 11). Built on first use and when the format changes.
+
+    Raises:
+      HostOpError: cuts of the wrong count or value, an unknown format, a GeGLU model.
     """
     if cuts is None:
       self.gate_cuts = None
@@ -541,21 +550,31 @@ class HostDecoder:
     cuts = [float(c) for c in cuts]
     if len(cuts) != self.n_layers or not all(c >= 0 and np.isfinite(c) for c in cuts):
       raise HostOpError(f"enable_gated needs {self.n_layers} finite cuts >= 0, got {cuts}")
-    if self._down_t is None:
-      down_t = []
+    down_format = qmatmul.Q8_0 if down_format is None else down_format
+    if down_format not in gated_lib.DOWN_KINDS:
+      raise HostOpError(f"down_format must be one of {', '.join(gated_lib.DOWN_KINDS)}, got "
+                        f"{down_format!r}")
+    if self._down_t is None or self._down_t[0].kind != down_format:
+      quantize = qmatmul.quantize_q4_1 if down_format == qmatmul.Q4_1 else qmatmul.quantize_q8_0
+      down_t, self._stacked_down_t = [], None
       for i, layer in enumerate(self.layers):  # One layer's f32 copy at a time.
-        w = qmatmul.quantize_q8_0(np.ascontiguousarray(layer.down.dequantize().T))
+        w = quantize(np.ascontiguousarray(layer.down.dequantize().T))
         if self._stacked is not None:  # Stacked for `_layers_kernel`; each layer views its slice.
           if i == 0:
             self._stacked_down_t = tuple(np.empty((self.n_layers,) + a.shape, a.dtype)
                                          for a in w.arrays)
           for stacked, a in zip(self._stacked_down_t, w.arrays):
             stacked[i] = a
-          w = qmatmul.QMatrix(qmatmul.Q8_0, tuple(a[i] for a in self._stacked_down_t))
+          w = qmatmul.QMatrix(down_format, tuple(a[i] for a in self._stacked_down_t))
         down_t.append(w)
       self._down_t = down_t
     self.gate_cuts = cuts
     self._cuts = np.asarray(cuts, np.float32)  # What `_layers_kernel` reads, once, not per pass.
+
+  @property
+  def down_format(self) -> str | None:
+    """The format of the neuron-major down rows ("q4_1" | "q8_0"), None before any."""
+    return None if self._down_t is None else self._down_t[0].kind
 
   def calibrate_gate_cuts(self, chunks, sparsity: float) -> list[float]:
     """Per-layer cuts on |act_gate(gate . h)| that skip `sparsity` of the FFN neurons on the
@@ -579,7 +598,8 @@ class HostDecoder:
   def ffn_bytes_per_token(self, active_fraction: float | None = None,
                           passed_fraction: float | None = None) -> int:
     """FFN weight bytes one token reads (GGUF block bytes): dense, or gate-first with
-    active_fraction of the neurons computed (their neuron-major Q8_0 down rows read) and
+    active_fraction of the neurons computed (their neuron-major down rows read: Q8_0, or Q4_1
+    once `enable_gated` built those) and
     passed_fraction passing the gate (their up rows read; ReGLU/dReLU read more up rows than
     down rows). passed_fraction None: active_fraction times the ratio measured over this
     decoder's gate-first passes so far (`read_sums`), or active_fraction before any."""
@@ -589,7 +609,9 @@ class HostDecoder:
     if passed_fraction is None:
       active_sum, passed_sum = self.read_sums
       passed_fraction = active_fraction * (passed_sum / active_sum if active_sum > 0 else 1.0)
-    down_t = sum(layer.down.shape[0] * layer.down.shape[1] // 32 * 34 for layer in self.layers)
+    per_block = 20 if self._down_t is not None and self._down_t[0].kind == qmatmul.Q4_1 else 34
+    down_t = sum(layer.down.shape[0] * layer.down.shape[1] // 32 * per_block
+                 for layer in self.layers)
     return int(sum(layer.gate.file_bytes() + passed_fraction * layer.up.file_bytes()
                    for layer in self.layers) + active_fraction * down_t)
 
@@ -652,7 +674,7 @@ class HostDecoder:
       x = _layers_kernel(x, b, t, *self._stacked, cache.k, cache.v, pos, cos, sin,
                          self._rope_of, self.windows, self.rope_adjacent, n, k, hd,
                          np.float32(self.attn_scale), self.eps, self.code,
-                         self.dot == qmatmul.DOT_INT8, cuts, *dt, self.last_active,
+                         self.dot == qmatmul.DOT_INT8, cuts, dt, self.last_active,
                          self.last_passed, n_threads)
       layers = ()
     else:

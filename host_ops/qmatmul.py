@@ -589,6 +589,32 @@ def quantize_q8_0(rows) -> QMatrix:
   return QMatrix(Q8_0, (q8.q, f16_bits(q8.scales)))
 
 
+def quantize_q4_1(rows, chunk_rows: int = 1024) -> QMatrix:
+  """f32[n, D] -> Q4_1 QMatrix, as ggml's `quantize_row_q4_1`: per block of 32, d = (max - min)
+  / 15 and m = min, codes min(15, int((x - min) / d + 0.5)) from the f32 d, d and m stored as
+  f16. In row chunks (the f32 temporaries of one chunk at a time)."""
+  rows = np.asarray(rows, np.float32)
+  n, dim = rows.shape
+  if dim % BLOCK:
+    raise HostOpError(f"quantize_q4_1 needs D a multiple of {BLOCK}, got {rows.shape}")
+  nb = dim // BLOCK
+  qs = np.empty((n, nb * 16), np.uint8)
+  d = np.empty((n, nb), np.uint16)
+  m = np.empty((n, nb), np.uint16)
+  for lo in range(0, n, chunk_rows):
+    b = rows[lo:lo + chunk_rows].reshape(-1, nb, BLOCK)
+    mn, mx = b.min(-1), b.max(-1)
+    scale = (mx - mn) / np.float32(15.0)
+    with np.errstate(divide="ignore"):
+      inv = np.where(scale > 0, np.float32(1.0) / scale, np.float32(0.0)).astype(np.float32)
+    q = np.minimum(((b - mn[..., None]) * inv[..., None] + np.float32(0.5)).astype(np.int32),
+                   15).astype(np.uint8)
+    qs[lo:lo + chunk_rows] = (q[..., :16] | (q[..., 16:] << 4)).reshape(len(b), nb * 16)
+    d[lo:lo + chunk_rows] = f16_bits(scale)
+    m[lo:lo + chunk_rows] = f16_bits(mn)
+  return QMatrix(Q4_1, (qs, d, m))
+
+
 def f16_bits(values) -> np.ndarray:
   """u16 bits of `values` rounded to f16 (the scale arrays of Q4_1/Q8_0 matrices)."""
   return np.ascontiguousarray(np.asarray(values, np.float32).astype(np.float16).view(np.uint16))

@@ -167,13 +167,14 @@ def test_decoder_prefill_then_decode_matches_reference(kind, adjacent, family, d
 
 @pytest.mark.parametrize("dot", ["f32", "int8"])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("family", [None, "swiglu", "drelu"])
-def test_decoder_fused_layers_equal_per_layer_loop(kind, dot, family):
+@pytest.mark.parametrize("family,down", [(None, None), ("swiglu", "q8_0"), ("drelu", "q8_0"),
+                                         ("swiglu", "q4_1"), ("drelu", "q4_1")])
+def test_decoder_fused_layers_equal_per_layer_loop(kind, dot, family, down):
   """The one-call layer loop (`_layers_kernel`, used when every layer has the same formats)
   gives the per-layer Python loop's logits bit for bit, for prefill (many-row kernels) and
   decode (gemv), dense (family None) and with the gate-first FFN (calibrated SwiGLU cuts, exact
-  dReLU), with the same active fractions; the layers' matrices view the stacked arrays (nothing
-  held twice)."""
+  dReLU; Q8_0 and Q4_1 neuron-major down rows), with the same active fractions; the layers'
+  matrices view the stacked arrays (nothing held twice)."""
   rng = np.random.default_rng(5)
   dec = _tiny_decoder(rng, kind, adjacent=True, dot=dot, family=family or "swiglu")
   assert dec._stacked is not None
@@ -182,7 +183,8 @@ def test_decoder_fused_layers_equal_per_layer_loop(kind, dot, family):
   assert np.shares_memory(dec.layers[0].attn_norm, dec._stacked[0])
   if family is not None:
     cuts = dec.calibrate_gate_cuts([rng.integers(0, 50, 12) for _ in range(3)], 0.4)
-    dec.enable_gated(cuts)
+    dec.enable_gated(cuts, down_format=down)
+    assert dec.down_format == down
     assert np.shares_memory(dec._down_t[1].arrays[0], dec._stacked_down_t[0])
   tokens = rng.integers(0, 50, (2, 12))
   runs, actives = [], []
@@ -212,17 +214,71 @@ def test_decoder_mixed_formats_run_the_per_layer_loop():
   np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
 
 
+def test_quantize_q4_1_matches_gguf_quantizer():
+  """`qmatmul.quantize_q4_1` writes the bytes gguf's own Q4_1 quantizer writes (random rows,
+  a constant block, a zero block)."""
+  rng = np.random.default_rng(12)
+  rows = rng.standard_normal((37, 96)).astype(np.float32)
+  rows[3, 32:64] = 0.25
+  rows[5, :32] = 0.0
+  w = qmatmul.quantize_q4_1(rows, chunk_rows=8)
+  raw = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q4_1).reshape(37, 3, 20)
+  np.testing.assert_array_equal(w.arrays[1], raw[:, :, 0:2].copy().view(np.uint16)[..., 0])
+  np.testing.assert_array_equal(w.arrays[2], raw[:, :, 2:4].copy().view(np.uint16)[..., 0])
+  np.testing.assert_array_equal(w.arrays[0], raw[:, :, 4:].reshape(37, 48))
+  with pytest.raises(HostOpError):
+    qmatmul.quantize_q4_1(rows[:, :40])
+
+
+@pytest.mark.parametrize("dot", ["f32", "int8"])
+@pytest.mark.parametrize("down_kind", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("f,dim,b", [(96, 64, 3), (77, 160, 2)])
+def test_down_pass_matches_reference(down_kind, dot, f, dim, b):
+  """The down pass over neuron-major rows (`gated_ffn._down_pass`) on random rows and random
+  activations: empty, single, partial (odd counts, so the GROUP and four-row tails run) and
+  full active sets, against `down_reference` (the same per-group coefficient quantization for
+  Q4_1 with int8) and, within that quantization's error, against the exact product."""
+  from host_ops import gated_ffn
+  rng = np.random.default_rng(13)
+  rows = rng.standard_normal((f, dim)).astype(np.float32)
+  down_t = (qmatmul.quantize_q4_1 if down_kind == "q4_1" else qmatmul.quantize_q8_0)(rows)
+  exact_rows = qmatmul.dequantize_reference(down_t)
+  for frac in (0.0, "single", 0.37, 1.0):
+    acts = rng.standard_normal((b, f)).astype(np.float32)
+    if frac == "single":
+      keep = np.zeros((b, f), bool)
+      keep[:, f // 3] = True
+    else:
+      keep = rng.random((b, f)) < frac
+    acts = np.where(keep, acts, np.float32(0.0))
+    y, counts = gated_ffn._down_pass(acts, down_t.arrays, 2, np.int64(32), dot == "int8")
+    np.testing.assert_array_equal(counts, keep.sum(axis=1))
+    ref = gated_ffn.down_reference(acts, down_t, dot=dot, n_threads=2)
+    scale = max(1.0, np.abs(ref).max())
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * scale)
+    exact = acts.astype(np.float64) @ exact_rows
+    if frac == 0.0:
+      assert (y == 0).all()
+    else:  # int8 coefficients: ~1% of the product (8 bits per group and block).
+      tol = 3e-2 if (down_kind, dot) == ("q4_1", "int8") and qdot.AVAILABLE else 1e-5
+      assert np.linalg.norm(y - exact) <= tol * np.linalg.norm(exact)
+
+
 @pytest.mark.parametrize("dot", ["f32", "int8"])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("down_kind", ["q8_0", "q4_1"])
 @pytest.mark.parametrize("family,cut", [("swiglu", 0.05), ("swiglu", 0.0), ("reglu", 0.0),
                                         ("drelu", 0.0), ("swiglu", 1e9)])
-def test_gated_ffn_matches_reference(kind, family, cut, dot):
+def test_gated_ffn_matches_reference(kind, family, cut, dot, down_kind):
   """Gate-first sparse FFN on random blocks: full (cut 0), partial and empty active sets; with
-  dot="int8" the up rows are integer dots on h quantized per block (so is the reference)."""
+  dot="int8" the up rows are integer dots on h quantized per block (so is the reference), and
+  Q4_1 down rows integer products on coefficients quantized per group (so is the reference;
+  the kernel's f32 activations can round a coefficient the other way, hence the looser bound)."""
   from host_ops import gated_ffn
   rng = np.random.default_rng(11)
   up = _random_matrix(rng, kind, 96, 64)
-  down_t = qmatmul.quantize_q8_0(rng.standard_normal((96, 64)).astype(np.float32))
+  rows = rng.standard_normal((96, 64)).astype(np.float32)
+  down_t = (qmatmul.quantize_q4_1 if down_kind == "q4_1" else qmatmul.quantize_q8_0)(rows)
   h = rng.standard_normal((3, 64)).astype(np.float32)
   g = rng.standard_normal((3, 96)).astype(np.float32)
   y, active, passed = gated_ffn.gated_ffn(g, h, up, down_t, cut=cut, family=family, dot=dot)
@@ -233,7 +289,8 @@ def test_gated_ffn_matches_reference(kind, family, cut, dot):
   assert (passed >= active).all()
   if family == "drelu":  # Up rows read for g > 0; down rows only where u > 0 too.
     assert (passed > active).all()
-  np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(ref).max()))
+  tol = 2e-3 if (down_kind, dot) == ("q4_1", "int8") else 1e-5
+  np.testing.assert_allclose(y, ref, rtol=1e-4, atol=tol * max(1.0, np.abs(ref).max()))
   if cut >= 1e9:
     assert (active == 0).all() and (y == 0).all()
   if family == "swiglu" and cut == 0.0:
@@ -274,11 +331,24 @@ def test_decoder_gated_matches_reference(family, dot):
     assert passed_sum == pytest.approx(active_sum)
   gate = sum(layer.gate.file_bytes() for layer in dec.layers)
   up = sum(layer.up.file_bytes() for layer in dec.layers)
-  down_t = sum(layer.down.shape[0] * layer.down.shape[1] // 32 * 34 for layer in dec.layers)
+  weights = sum(layer.down.shape[0] * layer.down.shape[1] for layer in dec.layers)
+  assert dec.down_format == "q8_0"  # The default: 34 bytes per 32 weights.
+  down_t = weights // 32 * 34
   assert dec.ffn_bytes_per_token(0.25, 0.5) == pytest.approx(gate + 0.5 * up + 0.25 * down_t,
                                                              abs=1)
   assert dec.ffn_bytes_per_token(0.25) == pytest.approx(
       gate + 0.25 * passed_sum / active_sum * up + 0.25 * down_t, abs=1)
+  # Q4_1 rows on request (20 bytes per 32), against the reference with those rows.
+  dec.enable_gated(dec.gate_cuts, down_format="q4_1")
+  assert dec.down_format == "q4_1"
+  assert dec.ffn_bytes_per_token(0.25, 0.5) == pytest.approx(
+      gate + 0.5 * up + 0.25 * weights // 32 * 20, abs=1)
+  cid = dec.new_cache(1, 16)  # Passes of <= 8 rows, as the reference's int8 products model.
+  got = [dec.forward(cid, tokens[None, :6], 0)]
+  got += [dec.forward(cid, tokens[None, i:i + 1], i) for i in range(6, 9)]
+  _assert_logits_match(np.concatenate(got), decoder_lib.decoder_reference(dec, tokens), dec.dot)
+  with pytest.raises(HostOpError):
+    dec.enable_gated(dec.gate_cuts, down_format="q4_0")
   dec.enable_gated(None)
   assert dec.gate_cuts is None and dec.bytes_per_token() == dense
   with pytest.raises(HostOpError):

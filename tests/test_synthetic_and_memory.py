@@ -86,6 +86,22 @@ def test_bench_interleaves_dense_and_gate_sparse_decode(tmp_path):
                         timeout=600, cwd=ROOT)
   assert proc.returncode == 2 and "--interleave_dense" in proc.stderr
   assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0
+  # Q4_1 down rows: 20 bytes per 32 weights against Q8_0's 34, for the active fraction.
+  proc = subprocess.run(bench + ["--gate_sparse", "--gate_down=q4_1", "-o", "json"],
+                        capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  (q4,) = json.loads(proc.stdout)
+  down = sum(layer.down.shape[0] * layer.down.shape[1] for layer in dec.layers)
+  saved = q4["dense_weight_bytes_per_token"] - q4["weight_bytes_per_token"]
+  assert saved > dense["dense_weight_bytes_per_token"] - gate["weight_bytes_per_token"]
+  assert q4["ffn_sparsity"] == pytest.approx(gate["ffn_sparsity"], abs=0.05)
+  assert saved == pytest.approx(
+      dense["dense_weight_bytes_per_token"] - want + (1 - q4["ffn_sparsity"]) * down * 14 / 32,
+      rel=0.1)
+  proc = subprocess.run(bench + ["--gate_down=q4_1"], capture_output=True, text=True,
+                        timeout=600, cwd=ROOT)
+  assert proc.returncode == 2 and "--gate_down" in proc.stderr and "--gate_sparse" in proc.stderr
+  assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0
 
 
 def test_synthetic_cli_refuses_a_missing_folder(tmp_path):

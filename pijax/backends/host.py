@@ -30,6 +30,7 @@ import numpy as np
 
 import host_ops
 from host_ops import decoder as decoder_lib
+from host_ops import gated_ffn
 from host_ops import qconcat
 from host_ops import qmatmul
 from pijax.formats import gguf as gguf_io
@@ -317,7 +318,7 @@ def choose_weights(weights: str, *, path: str, dtype: Any, is_bundle: bool) -> s
 
 def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
           calibration_chunks=None, gate_sparsity: float = 0.5,
-          dot: str = qmatmul.DOT_INT8) -> HostBackend:
+          dot: str = qmatmul.DOT_INT8, gate_down: str | None = None) -> HostBackend:
   """A HostBackend for a GGUF, its numba kernels loaded (compiled on first use) before returning.
 
   Args:
@@ -326,6 +327,8 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
     gate_cuts: turn on the gate-first sparse FFN (`host_ops.gated_ffn`): None = off, True =
       on with cuts calibrated on `calibration_chunks` (int[t] token arrays) for `gate_sparsity`
       (SwiGLU), or zero cuts (ReLU families and gate_sparsity 0: exact zeros skipped).
+    gate_down: the neuron-major down rows' format, "q8_0" | "q4_1" | None (q8_0;
+      `HostDecoder.enable_gated`).
 
   Raises:
     ConfigError, GGUFError: see `build_decoder`; UnsupportedError for a family it cannot run.
@@ -344,7 +347,7 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
       cuts = [0.0] * dec.n_layers
       if calibration_chunks is not None:
         cuts = dec.calibrate_gate_cuts(calibration_chunks, gate_sparsity)
-      dec.enable_gated(cuts)
+      dec.enable_gated(cuts, down_format=gate_down)
     heap.release_free_heap()
   except host_ops.HostOpError as err:
     raise ConfigError(f"--host_weights={weights}: {err}") from None
@@ -392,7 +395,7 @@ def calibration_chunks(model, path: str | None, n_chunks: int = 8, length: int =
 
 def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
               gate_sparsity: float = 0.5, calibration_file: str | None = None,
-              dot: str | None = None) -> base.Backend:
+              dot: str | None = None, gate_down: str | None = None) -> base.Backend:
   """The backend for a dense run of `model` (`pijax.engine.Model`) with `--host_weights`.
 
   Args:
@@ -402,6 +405,8 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
       `gate_sparsity` on `calibration_file` (CATS, arXiv 2404.08763 §3; never the evaluation
       text).
     gate_sparsity: SwiGLU target fraction of FFN neurons skipped, in [0, 1).
+    gate_down: with gate_sparse, the format of the neuron-major down rows: "q8_0" (1.0625
+      bytes/weight; None means it) or "q4_1" (0.625, a second 4-bit rounding).
     dot: "int8" (decode matmuls quantize activations per block of 32 and sum integer products,
       llama.cpp's arithmetic; the default) or "f32" (exact f32 activations; slower). Passes
       of more than 8 tokens (prefill) use f32 activations either way.
@@ -424,6 +429,9 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
     raise ConfigError(f"--host_dot={dot} sets how host weights multiply, but this run keeps "
                       "the weights in XLA (--host_weights=off, a non-float32 dtype or a "
                       "GGUF with other types); drop --host_dot or use --host_weights=gguf.")
+  if gate_down is not None and (not gate_sparse or gate_down not in gated_ffn.DOWN_KINDS):
+    raise ConfigError(f"--gate_down={gate_down} sets the down rows of --gate_sparse: use one of "
+                      f"{', '.join(gated_ffn.DOWN_KINDS)} with --gate_sparse, or drop it.")
   if gate_sparse and weights == WEIGHTS_OFF:
     raise ConfigError("--gate_sparse runs on quantized host weights: add --host_weights=gguf "
                       "(or q8_0); it needs a plain GGUF.")
@@ -437,4 +445,4 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
     chunks = calibration_chunks(model, calibration_file)
   return build(model.config, model.path, weights, gate_cuts=gate_sparse or None,
                calibration_chunks=chunks, gate_sparsity=gate_sparsity,
-               dot=qmatmul.DOT_INT8 if dot is None else dot)
+               dot=qmatmul.DOT_INT8 if dot is None else dot, gate_down=gate_down)
