@@ -561,6 +561,106 @@ def format_matvec(rows: list[MatvecRow]) -> str:
   return "\n".join(out)
 
 
+DOWN_ACTIVE = (0.25, 0.5, 1.0)  # Fractions of neurons active in the down-pass table.
+
+
+@dataclasses.dataclass
+class DownPassRow:
+  """One row of the sparse down pass (`host_ops.gated_ffn._down_pass`): neuron-major rows of a
+  format, a fraction of them active, against the dense Q4_1 down matvec of the same shape."""
+
+  shape: str
+  rows: int  # F: neurons (rows of the neuron-major matrix)
+  cols: int  # D: hidden size
+  format: str  # "q8_0" | "q4_1"
+  dot: str  # "f32" | "int8" (Q4_1: integer products on quantized coefficients)
+  active: float  # fraction of the F rows read
+  time_s: float  # median seconds per call
+  g_weights_s: float  # active rows * cols / time_s / 1e9
+  gb_s: float  # block bytes of the active rows / time_s / 1e9
+  dense_time_s: float  # the dense Q4_1 down matvec ([D, F], same dot), median s per call
+  vs_dense: float  # dense_time_s / time_s
+  copies: int
+  from_dram: bool
+  vs_bandwidth: float | None = None
+
+
+def _time_calls(fn, n_copies: int, seconds: float) -> float:
+  """Median seconds of fn(i) over calls cycling i through the copies (two warm-up calls)."""
+  for i in range(min(2, n_copies)):
+    fn(i)
+  times = []
+  i = 0
+  deadline = time.perf_counter() + seconds
+  while (time.perf_counter() < deadline or i < MIN_CALLS) and i < MAX_CALLS:
+    t0 = time.perf_counter()
+    fn(i % n_copies)
+    times.append(time.perf_counter() - t0)
+    i += 1
+  return float(np.median(times))
+
+
+def run_down_pass(opts: Options, read_gb_s: float | None, log=None) -> list[DownPassRow]:
+  """Every (shape, format, dot, active fraction) of the sparse down-pass table. Rows are random
+  blocks (`matvec_copies`), activations standard normal on a uniformly drawn set of exactly
+  round(fraction * F) neurons."""
+  from host_ops import _common as host_common
+  from host_ops import gated_ffn
+  from host_ops import qdot
+  from host_ops import qmatmul
+  log = log or (lambda s: None)
+  host_common.set_host_threads(opts.threads)
+  cold = opts.cold_bytes or COLD_FACTOR * l3_bytes()
+  dots = [qmatmul.DOT_F32] + ([qmatmul.DOT_INT8] if qdot.AVAILABLE else [])
+  rng = np.random.default_rng(opts.seed)
+  out = []
+  for name in opts.shapes:
+    d, n = SHAPES[name]
+    dense_per = d * (n // 32) * 20
+    dense = matvec_copies(d, n, qmatmul.Q4_1, max(1, min(math.ceil(cold / dense_per),
+                                                          int(opts.max_bytes // dense_per))),
+                          opts.seed)
+    dense_t = {dot: bench_matvec(dense, dot, seconds=opts.seconds, cold_bytes=cold,
+                                 seed=opts.seed)["time_s"] for dot in dots}
+    del dense
+    for fmt in gated_ffn.DOWN_KINDS:
+      per_row = (d // 32) * (20 if fmt == qmatmul.Q4_1 else 34)
+      copies = max(1, min(math.ceil(cold / (n * per_row)), int(opts.max_bytes // (n * per_row))))
+      mats = matvec_copies(n, d, fmt, copies, opts.seed)
+      for active in DOWN_ACTIVE:
+        k = max(1, round(active * n))
+        acts = np.zeros((1, n), np.float32)
+        acts[0, rng.choice(n, k, replace=False)] = rng.standard_normal(k).astype(np.float32)
+        for dot in dots:
+          t = _time_calls(lambda i: gated_ffn._down_pass(
+              acts, mats[i].arrays, opts.threads, np.int64(qmatmul.BLOCK),
+              dot == qmatmul.DOT_INT8), len(mats), opts.seconds)
+          gb_s = k * per_row / t / 1e9
+          row = DownPassRow(shape=name, rows=n, cols=d, format=fmt, dot=dot, active=k / n,
+                            time_s=t, g_weights_s=k * d / t / 1e9, gb_s=gb_s,
+                            dense_time_s=dense_t[dot], vs_dense=dense_t[dot] / t,
+                            copies=len(mats), from_dram=copies * n * per_row >= cold,
+                            vs_bandwidth=gb_s / read_gb_s if read_gb_s else None)
+          out.append(row)
+          log(f"  down pass {fmt} {dot} {name} {active:.0%}: {_fmt_time(t)}, "
+              f"{row.g_weights_s:.1f} G weights/s, {gb_s:.1f} GB/s, {row.vs_dense:.2f}x dense")
+      del mats
+  return out
+
+
+def format_down_pass(rows: list[DownPassRow]) -> str:
+  out = ["| shape | F x D | format | dot | active | time/call | G weights/s | GB/s "
+         "| vs read bandwidth | dense Q4_1 matvec | speedup |",
+         "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+  for r in rows:
+    vs = "-" if r.vs_bandwidth is None else f"{r.vs_bandwidth:.0%}"
+    warm = "" if r.from_dram else " (cache)"
+    out.append(f"| {r.shape} | {r.rows} x {r.cols} | {r.format} | {r.dot} | {r.active:.0%} | "
+               f"{_fmt_time(r.time_s)} | {r.g_weights_s:.1f} | {r.gb_s:.1f}{warm} | {vs} | "
+               f"{_fmt_time(r.dense_time_s)} | {r.vs_dense:.2f}x |")
+  return "\n".join(out)
+
+
 # ------------------------------------------------------------------ pallas op
 
 
@@ -888,9 +988,10 @@ def main(argv: list[str]) -> None:
                        threads=f.threads, seconds=f.seconds, output=f.output, alpha=f.alpha,
                        seed=f.seed, max_gb=f.max_gb, cold_mb=f.cold_mb, backend=backend,
                        sparse_ops=f.sparse_ops)
-  if not f.sparse_ops and not (f.matvec and OP_HOST in opts.ops):
-    raise ConfigError("nothing to run: --nosparse_ops and no dense matvec table (it needs "
-                      "--matvec and the host op in --ops); drop --nosparse_ops or add --matvec.")
+  if not f.sparse_ops and not ((f.matvec or f.down_pass) and OP_HOST in opts.ops):
+    raise ConfigError("nothing to run: --nosparse_ops and no matvec or down-pass table (they "
+                      "need --matvec or --down_pass and the host op in --ops); drop "
+                      "--nosparse_ops or add --matvec.")
   info = machine_info(opts.threads, backend if OP_PALLAS in opts.ops else None)
   cold = opts.cold_bytes or COLD_FACTOR * info["l3_bytes"]
   opts.cold_bytes = cold
@@ -900,13 +1001,16 @@ def main(argv: list[str]) -> None:
   rows = run(opts, log=progress) if f.sparse_ops else []
   matvec = (run_matvec(opts, info.get("read_gb_s"), log=progress)
             if f.matvec and OP_HOST in opts.ops else [])
+  down = (run_down_pass(opts, info.get("read_gb_s"), log=progress)
+          if f.down_pass and OP_HOST in opts.ops else [])
   if opts.output == "json":
     doc = {"machine": info,
            "settings": {"alpha": opts.alpha, "seed": opts.seed, "seconds": opts.seconds,
                         "threads": opts.threads, "cold_bytes": cold, "max_bytes": opts.max_bytes,
                         "id_sets": ID_SETS, "ops": opts.ops},
            "rows": [dataclasses.asdict(r) for r in rows],
-           "matvec": [dataclasses.asdict(r) for r in matvec]}
+           "matvec": [dataclasses.asdict(r) for r in matvec],
+           "down_pass": [dataclasses.asdict(r) for r in down]}
     sys.stdout.write(json.dumps(doc, indent=1) + "\n")
   else:
     text = format_machine(info) + "\n"
@@ -914,6 +1018,9 @@ def main(argv: list[str]) -> None:
       text += "\n" + format_markdown(rows) + "\n\n" + format_notes(rows, opts, cold) + "\n"
     if matvec:
       text += "\nDense decode matvecs (b = 1, GGUF block bytes):\n\n" + format_matvec(matvec) + "\n"
+    if down:
+      text += ("\nSparse down pass over neuron-major rows (b = 1; speedup: the dense Q4_1 down "
+               "matvec's time over this one's):\n\n" + format_down_pass(down) + "\n")
     sys.stdout.write(text)
 
 
@@ -940,6 +1047,9 @@ if __name__ == "__main__":
   flags.DEFINE_boolean("sparse_ops", True, "Run the sparse FFN op table.")
   flags.DEFINE_boolean("matvec", True, "Run the dense decode matvec table (host: q4_1 and q8_0 "
                        "blocks, f32 and int8 dots).")
+  flags.DEFINE_boolean("down_pass", True, "Run the sparse down-pass table (host: neuron-major "
+                       "q8_0 and q4_1 rows at 25/50/100% active, against the dense Q4_1 down "
+                       "matvec).")
   flags.DEFINE_boolean("bandwidth", True, "Measure the memory read bandwidth (a pass over "
                        "--cold_mb of memory, default 2.3 x L3) and print it on the machine line.")
   cli.run(main, "pijax.bench_ops")

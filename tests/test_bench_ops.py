@@ -224,6 +224,18 @@ def test_cli_matvec_table():
   for r in doc["matvec"]:
     assert r["g_weights_s"] > 0 and r["vs_bandwidth"] > 0
     assert (r["rows"], r["cols"]) == ((1536, 576) if r["matrix"] == "gate" else (576, 1536))
+  # The sparse down pass: neuron-major rows of both formats at each active fraction, each with
+  # the dense Q4_1 down matvec's time and the ratio; bytes count only the active rows.
+  got = [(r["format"], r["dot"]) for r in doc["down_pass"]]
+  assert got == [(f, d) for f in ("q8_0", "q4_1") for _ in bo.DOWN_ACTIVE for d in dots]
+  for r in doc["down_pass"]:
+    assert (r["rows"], r["cols"]) == (1536, 576) and 0 < r["active"] <= 1
+    per_row = 576 // 32 * (20 if r["format"] == "q4_1" else 34)
+    assert r["gb_s"] == pytest.approx(r["active"] * 1536 * per_row / r["time_s"] / 1e9)
+    assert r["vs_dense"] == pytest.approx(r["dense_time_s"] / r["time_s"])
+    assert r["vs_bandwidth"] > 0
+  assert sorted({r["active"] for r in doc["down_pass"]}) == list(bo.DOWN_ACTIVE)
   proc = _run(*TINY, "--nosparse_ops", "--noprogress", "--nobandwidth")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "| smollm2-135m | gate | 1536 x 576 | q4_1 | f32 |" in proc.stdout
+  assert "| smollm2-135m | 1536 x 576 | q4_1 | f32 | " in proc.stdout

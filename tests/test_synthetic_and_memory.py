@@ -228,7 +228,7 @@ def test_a_file_replaced_after_load_is_refused(tmp_path):
 def test_bench_ops_with_nothing_to_run_is_an_error():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-m", "pijax.bench_ops", "--nomatvec",
-                         "--nosparse_ops", "--nobandwidth"], cwd=ROOT, env=env,
+                         "--nosparse_ops", "--nodown_pass", "--nobandwidth"], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2 and "nothing to run" in proc.stderr
   assert len(proc.stderr.strip().splitlines()) == 1
