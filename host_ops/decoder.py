@@ -535,11 +535,16 @@ class HostDecoder:
     down_format: the neuron-major down rows, re-quantized from the file's values: "q8_0"
     (1.0625 bytes/weight; the default: SmolLM2 Q4_1 perplexity 27.09 against 26.99 dense) or
     "q4_1" (0.625: 41% fewer bytes per active neuron, but a second 4-bit rounding: 28.45;
-    BUILD_NOTES.md, issue 11). Built on first use and when the format changes.
+    BUILD_NOTES.md, issue 11). Built on first use and when the format changes; the old rows
+    are dropped first (never both held), so if building fails the sparse FFN is left off.
 
     Raises:
       HostOpError: cuts of the wrong count or value, an unknown format, a GeGLU model.
     """
+    down_format = qmatmul.Q8_0 if down_format is None else down_format
+    if down_format not in gated_lib.DOWN_KINDS:
+      raise HostOpError(f"down_format must be one of {', '.join(gated_lib.DOWN_KINDS)}, got "
+                        f"{down_format!r}")
     if cuts is None:
       self.gate_cuts = None
       self.last_active[:] = 1.0
@@ -550,30 +555,28 @@ class HostDecoder:
     cuts = [float(c) for c in cuts]
     if len(cuts) != self.n_layers or not all(c >= 0 and np.isfinite(c) for c in cuts):
       raise HostOpError(f"enable_gated needs {self.n_layers} finite cuts >= 0, got {cuts}")
-    down_format = qmatmul.Q8_0 if down_format is None else down_format
-    if down_format not in gated_lib.DOWN_KINDS:
-      raise HostOpError(f"down_format must be one of {', '.join(gated_lib.DOWN_KINDS)}, got "
-                        f"{down_format!r}")
     if self._down_t is None or self._down_t[0].kind != down_format:
+      self.enable_gated(None)  # Off and the old rows freed while the new ones are built.
+      self._down_t = self._stacked_down_t = None
       quantize = qmatmul.quantize_q4_1 if down_format == qmatmul.Q4_1 else qmatmul.quantize_q8_0
-      down_t, self._stacked_down_t = [], None
+      down_t, stacked_t = [], None
       for i, layer in enumerate(self.layers):  # One layer's f32 copy at a time.
         w = quantize(np.ascontiguousarray(layer.down.dequantize().T))
         if self._stacked is not None:  # Stacked for `_layers_kernel`; each layer views its slice.
           if i == 0:
-            self._stacked_down_t = tuple(np.empty((self.n_layers,) + a.shape, a.dtype)
-                                         for a in w.arrays)
-          for stacked, a in zip(self._stacked_down_t, w.arrays):
+            stacked_t = tuple(np.empty((self.n_layers,) + a.shape, a.dtype) for a in w.arrays)
+          for stacked, a in zip(stacked_t, w.arrays):
             stacked[i] = a
-          w = qmatmul.QMatrix(down_format, tuple(a[i] for a in self._stacked_down_t))
+          w = qmatmul.QMatrix(down_format, tuple(a[i] for a in stacked_t))
         down_t.append(w)
-      self._down_t = down_t
+      self._down_t, self._stacked_down_t = down_t, stacked_t
     self.gate_cuts = cuts
     self._cuts = np.asarray(cuts, np.float32)  # What `_layers_kernel` reads, once, not per pass.
 
   @property
   def down_format(self) -> str | None:
-    """The format of the neuron-major down rows ("q4_1" | "q8_0"), None before any."""
+    """The format of the neuron-major down rows built ("q4_1" | "q8_0"; kept while the sparse
+    FFN is off), None before any."""
     return None if self._down_t is None else self._down_t[0].kind
 
   def calibrate_gate_cuts(self, chunks, sparsity: float) -> list[float]:

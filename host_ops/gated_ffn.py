@@ -149,6 +149,7 @@ def _add_rows4_q4_1(acc, a, i4, qs, dd, mm, half):
 # Rows per integer group of Q4_1 down rows (`_add_group_q4_1`): 4 pairs summed in i16 (at most
 # 4 * 2 * 15 * 127 = 15240). 8 ran faster than 4 or 16 on 7B shapes (16: register spills).
 GROUP = 8
+TINY = np.float32(1e-30)  # Smallest max|coefficient| of a group's block that is quantized.
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), \
     ir.FloatType()
 
@@ -230,7 +231,9 @@ def _group_coefs(acts_r, ids8, n, dd, mm, c, cq, cs, ts):
       cs[b] = max(cs[b], abs(ck))
       ts[b] += a * qblocks.f16_to_f32(mrow[b])
   for b in range(nb):
-    d = cs[b] / np.float32(127.0)
+    # Below TINY the group's terms (< 1e-30 * 15 * GROUP) are dropped: 1 / (max / 127) would
+    # overflow to inf for subnormal maxima.
+    d = cs[b] / np.float32(127.0) if cs[b] >= TINY else np.float32(0.0)
     inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
     cs[b] = d
     for k in range(GROUP):
@@ -523,7 +526,8 @@ def down_reference(acts, down_t: qmatmul.QMatrix, *, dot: str = qmatmul.DOT_F32,
 
   acts: f32[b, F]. For Q4_1 rows with dot "int8" (where qdot.AVAILABLE) the coefficients are
   quantized as the kernel does: groups of GROUP consecutive nonzero neurons within each of
-  n_threads (default: the host's) contiguous shares of a row's list, f32 arithmetic.
+  n_threads (default: the host's) contiguous shares of a row's list, f32 arithmetic; a block
+  whose largest coefficient is below TINY adds nothing.
   """
   acts = np.asarray(acts, np.float32)
   if not (down_t.kind == qmatmul.Q4_1 and dot == qmatmul.DOT_INT8 and qdot.AVAILABLE):
@@ -544,7 +548,8 @@ def down_reference(acts, down_t: qmatmul.QMatrix, *, dot: str = qmatmul.DOT_F32,
         group = ids[j:min(j + GROUP, hi)]
         a = acts[r, group]
         c = a[:, None] * dv[group]  # f32 [k, nb]
-        cs = (np.abs(c).max(axis=0) / np.float32(127.0)).astype(np.float32)
+        mx = np.abs(c).max(axis=0)
+        cs = np.where(mx >= TINY, mx / np.float32(127.0), np.float32(0.0)).astype(np.float32)
         with np.errstate(divide="ignore"):
           inv = np.where(cs > 0, np.float32(1.0) / cs, np.float32(0.0)).astype(np.float32)
         cq = np.rint(c * inv).astype(np.int64)

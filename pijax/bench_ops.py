@@ -991,7 +991,7 @@ def main(argv: list[str]) -> None:
   if not f.sparse_ops and not ((f.matvec or f.down_pass) and OP_HOST in opts.ops):
     raise ConfigError("nothing to run: --nosparse_ops and no matvec or down-pass table (they "
                       "need --matvec or --down_pass and the host op in --ops); drop "
-                      "--nosparse_ops or add --matvec.")
+                      "--nosparse_ops or add --matvec or --down_pass.")
   info = machine_info(opts.threads, backend if OP_PALLAS in opts.ops else None)
   cold = opts.cold_bytes or COLD_FACTOR * info["l3_bytes"]
   opts.cold_bytes = cold

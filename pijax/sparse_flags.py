@@ -114,6 +114,13 @@ def check(cfg: Any = None) -> None:
       raise ConfigError(f"--{flag.name}={value} must be {what}.")
   # Combinations known to be refused, refused before a model loads (a server would otherwise
   # load and compile first).
+  down = pick(GATE_DOWN, "gate_down")
+  if down is not None and not pick(GATE_SPARSE, "gate_sparse"):
+    raise ConfigError(f"--gate_down={down} sets the down rows of --gate_sparse: add "
+                      "--gate_sparse or drop --gate_down.")
+  if pick(GATE_SPARSE, "gate_sparse") and pick(HOST_WEIGHTS, "host_weights") == "off":
+    raise ConfigError("--gate_sparse runs on quantized host weights, but --host_weights=off "
+                      "keeps the weights in XLA; drop one of them.")
   dot = pick(HOST_DOT, "host_dot")
   if dot is not None and (pick(SPARSE, "sparse") or "off") != "off":
     raise ConfigError("--host_dot is for dense runs on host weights of a GGUF; sparse modes and "

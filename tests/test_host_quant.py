@@ -556,3 +556,70 @@ def test_host_dot_combinations_refused_before_loading(prog, args):
   proc = _cli("-m", prog, *args)
   assert proc.returncode == 2 and "--host_dot" in proc.stderr
   assert len(proc.stderr.strip().splitlines()) == 1 and "listening" not in proc.stderr
+
+
+@pytest.mark.parametrize("prog,args,names", [
+    ("pijax.serve", ["--model=default", "--gate_down=q4_1"], ("--gate_down", "--gate_sparse")),
+    ("pijax.bench", ["-m", "default", "--gate_down=q4_1", "--sparse=oracle"],
+     ("--gate_down", "--gate_sparse")),
+    ("pijax.serve", ["--model=default", "--gate_sparse", "--host_weights=off"],
+     ("--gate_sparse", "--host_weights=off"))])
+def test_gate_flag_combinations_refused_before_loading(prog, args, names):
+  """--gate_down without --gate_sparse, and --gate_sparse with --host_weights=off: one line
+  naming the flags, exit 2, before the server listens (a tester found two lines, the first
+  'listening', and a message about --gate_sparse when only --gate_down was given)."""
+  proc = _cli("-m", prog, *args)
+  assert proc.returncode == 2 and all(n in proc.stderr for n in names), proc.stderr
+  assert len(proc.stderr.strip().splitlines()) == 1 and "listening" not in proc.stderr
+
+
+def test_failed_down_format_switch_leaves_the_sparse_ffn_off(monkeypatch):
+  """A format switch that fails part way (here the second layer's quantization) leaves the
+  gate-first FFN off and the decoder dense, never half-built rows under the old format (a
+  tester found finite, wrong logits); the old rows are not held beside the new ones."""
+  rng = np.random.default_rng(5)
+  dec = _tiny_decoder(rng, "q4_1", adjacent=True, dot="int8", family="drelu")
+  tokens = rng.integers(0, 50, (1, 5))
+  dense = dec.forward(dec.new_cache(1, 8), tokens, 0)
+  dec.enable_gated([0.0, 0.0], down_format="q8_0")
+  calls = []
+  real = qmatmul.quantize_q4_1
+
+  def failing(rows, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      raise MemoryError("test")
+    return real(rows, *args, **kwargs)
+
+  monkeypatch.setattr(qmatmul, "quantize_q4_1", failing)
+  with pytest.raises(MemoryError):
+    dec.enable_gated([0.0, 0.0], down_format="q4_1")
+  assert dec.gate_cuts is None and dec.down_format is None
+  np.testing.assert_array_equal(dec.forward(dec.new_cache(1, 8), tokens, 0), dense)
+  monkeypatch.setattr(qmatmul, "quantize_q4_1", real)
+  dec.enable_gated([0.0, 0.0], down_format="q4_1")
+  got = dec.forward(dec.new_cache(1, 8), tokens, 0)
+  _assert_logits_match(got, decoder_lib.decoder_reference(dec, tokens[0]), dec.dot)
+  with pytest.raises(HostOpError):
+    dec.enable_gated(None, down_format="q5_0")
+
+
+def test_down_pass_with_tiny_coefficients_stays_finite():
+  """Q4_1 rows with int8 coefficients: a group whose coefficients are all below TINY adds only
+  its offsets (1 / (max / 127) overflowed for subnormal maxima: garbage codes, found by a
+  tester), and the reference agrees; coefficients above it are still quantized."""
+  from host_ops import gated_ffn
+  rng = np.random.default_rng(14)
+  down_t = qmatmul.quantize_q4_1(rng.standard_normal((16, 64)).astype(np.float32) * 0.02)
+  for scale, expect_zero in ((1e-37, True), (1e-26, False)):
+    acts = (rng.standard_normal((1, 16)) * scale).astype(np.float32)
+    y, _ = gated_ffn._down_pass(acts, down_t.arrays, 1, np.int64(32), True)
+    ref = gated_ffn.down_reference(acts, down_t, dot="int8", n_threads=1)
+    assert np.isfinite(y).all() and np.isfinite(ref).all()
+    exact = acts.astype(np.float64) @ qmatmul.dequantize_reference(down_t)
+    if expect_zero:  # Only the offsets' f32 terms (a_k m_k) remain.
+      assert np.abs(y).max() < 1e-30 and np.abs(ref).max() < 1e-30
+      np.testing.assert_allclose(y, ref, rtol=0, atol=1e-36)
+    else:
+      np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+      assert np.linalg.norm(y - exact) <= 3e-2 * np.linalg.norm(exact)
