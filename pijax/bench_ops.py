@@ -495,6 +495,22 @@ def matvec_copies(rows: int, cols: int, fmt: str, copies: int, seed: int = 0):
           for c in range(copies)]
 
 
+def _time_calls(fn, n_copies: int, seconds: float) -> float:
+  """Median seconds of fn(i) over calls cycling i through the copies (two warm-up calls: compile
+  or load the numba cache), for `seconds` and at least MIN_CALLS calls."""
+  for i in range(min(2, n_copies)):
+    fn(i)
+  times = []
+  i = 0
+  deadline = time.perf_counter() + seconds
+  while (time.perf_counter() < deadline or i < MIN_CALLS) and i < MAX_CALLS:
+    t0 = time.perf_counter()
+    fn(i % n_copies)
+    times.append(time.perf_counter() - t0)
+    i += 1
+  return float(np.median(times))
+
+
 def bench_matvec(mats, dot: str, *, seconds: float, cold_bytes: float,
                  seed: int = 0) -> dict[str, Any]:
   """Times `QMatrix.matmul` of one f32 row over the copies in turn (median s per call)."""
@@ -502,18 +518,7 @@ def bench_matvec(mats, dot: str, *, seconds: float, cold_bytes: float,
   x = np.random.default_rng([seed, w0.shape[1]]).standard_normal((1, w0.shape[1])).astype(
       np.float32)
   out = np.empty((1, w0.shape[0]), np.float32)
-  for w in mats[:2]:  # Warm-up: compile or load the numba cache.
-    w.matmul(x, out=out, dot=dot)
-  times = []
-  i = 0
-  deadline = time.perf_counter() + seconds
-  while (time.perf_counter() < deadline or i < MIN_CALLS) and i < MAX_CALLS:
-    w = mats[i % len(mats)]
-    t0 = time.perf_counter()
-    w.matmul(x, out=out, dot=dot)
-    times.append(time.perf_counter() - t0)
-    i += 1
-  t = float(np.median(times))
+  t = _time_calls(lambda i: mats[i].matmul(x, out=out, dot=dot), len(mats), seconds)
   n, dim = w0.shape
   return dict(time_s=t, g_weights_s=n * dim / t / 1e9, gb_s=w0.file_bytes() / t / 1e9,
               copies=len(mats), from_dram=len(mats) * w0.file_bytes() >= cold_bytes)
@@ -583,21 +588,6 @@ class DownPassRow:
   copies: int
   from_dram: bool
   vs_bandwidth: float | None = None
-
-
-def _time_calls(fn, n_copies: int, seconds: float) -> float:
-  """Median seconds of fn(i) over calls cycling i through the copies (two warm-up calls)."""
-  for i in range(min(2, n_copies)):
-    fn(i)
-  times = []
-  i = 0
-  deadline = time.perf_counter() + seconds
-  while (time.perf_counter() < deadline or i < MIN_CALLS) and i < MAX_CALLS:
-    t0 = time.perf_counter()
-    fn(i % n_copies)
-    times.append(time.perf_counter() - t0)
-    i += 1
-  return float(np.median(times))
 
 
 def run_down_pass(opts: Options, read_gb_s: float | None, log=None) -> list[DownPassRow]:
