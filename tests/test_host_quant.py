@@ -173,7 +173,7 @@ def test_decoder_fused_layers_equal_per_layer_loop(kind, dot, family, down):
   """The one-call layer loop (`_layers_kernel`, used when every layer has the same formats)
   gives the per-layer Python loop's logits bit for bit, for prefill (many-row kernels) and
   decode (gemv), dense (family None) and with the gate-first FFN (calibrated SwiGLU cuts, exact
-  dReLU; Q8_0 and Q4_1 neuron-major down rows; Q4_1 with f32 products to 1e-5, below), with
+  dReLU; Q8_0 and Q4_1 neuron-major down rows; with f32 products to 1e-5, below), with
   the same active fractions; the layers' matrices view the stacked arrays (nothing held
   twice)."""
   rng = np.random.default_rng(5)
@@ -196,10 +196,12 @@ def test_decoder_fused_layers_equal_per_layer_loop(kind, dot, family, down):
                  dec.forward(cid, tokens[:, 10:11], 10), dec.forward(cid, tokens[:, 11:], 11)])
     actives.append(dec.last_active.copy())
   for fused, loop in zip(*runs):
-    if (down, dot) == ("q4_1", "f32"):
-      # The f32 Q4_1 down kernel (fastmath) differed in the last bits between the two paths
-      # in one full-suite run (3e-7 of the logits' range; never alone, nor after a cold cache
-      # was filled by another process): close, not bitwise. Cause not found (BUILD_NOTES).
+    if family is not None and dec.dot == "f32":
+      # The gate-first FFN with f32 products (fastmath) differed in the last bits between the
+      # two paths in full-suite runs only (CI: Q8_0 and Q4_1 down rows, q4_1 weights, <= 5e-7
+      # of the logits' range; never alone, after test_bench_ops, or on a warm cache). The
+      # same f32 loops are compiled twice (inside `_layers_kernel` and as `_gated_kernel`),
+      # and fastmath lets LLVM sum them in another order: close, not bitwise (BUILD_NOTES).
       np.testing.assert_allclose(fused, loop, rtol=1e-5, atol=1e-5 * np.abs(loop).max())
     else:
       np.testing.assert_array_equal(fused, loop)
