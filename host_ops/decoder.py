@@ -264,13 +264,13 @@ def _layer_matmul_overload(w, i, x, out, int8):
   return q8_0 if qdot.AVAILABLE else q8_0_f32
 
 
-def _layer_gated(up_w, i, g, h, dt, cut, code, n_threads, int8):
+def _layer_gated(up_w, i, g, h, dt, cuts, code, n_threads, int8):
   """(y, active) of the gate-first FFN of layer i (numba only; see the overload below)."""
   raise NotImplementedError("_layer_gated runs inside numba-compiled code only")
 
 
 @numba_extending.overload(_layer_gated, jit_options=_common._JIT)
-def _layer_gated_overload(up_w, i, g, h, dt, cut, code, n_threads, int8):
+def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8):
   """`gated_ffn.gated_ffn`'s kernel for stacked up rows (Q4_1 (qs, d, m) or Q8_0 (q, d), each
   [L, F, ...]) and stacked neuron-major down rows dt: Q8_0 (i8[L, F, D], u16[L, F, D/32]) or
   Q4_1 (u8[L, F, D/2], u16[L, F, D/32] twice); the integer kernel only where qdot.AVAILABLE."""
@@ -283,17 +283,17 @@ def _layer_gated_overload(up_w, i, g, h, dt, cut, code, n_threads, int8):
     layer_dt = lambda dt, i: (dt[0][i], dt[1][i])  # noqa: E731
   layer_dt = numba.njit(inline="always", **_common._JIT)(layer_dt)
   if not qdot.AVAILABLE:
-    def f32_only(up_w, i, g, h, dt, cut, code, n_threads, int8):
+    def f32_only(up_w, i, g, h, dt, cuts, code, n_threads, int8):
       return gated_lib._gated_kernel(g, h, up_w[0][i], up_w[1][i], up_w[m][i], layer_dt(dt, i),
-                                     cut, code, n_threads, block, q4)
+                                     cuts, code, n_threads, block, q4)
     return f32_only
 
-  def impl(up_w, i, g, h, dt, cut, code, n_threads, int8):
+  def impl(up_w, i, g, h, dt, cuts, code, n_threads, int8):
     if int8:
       return gated_lib._gated_int8_kernel(g, h, up_w[0][i], up_w[1][i], up_w[m][i],
-                                          layer_dt(dt, i), cut, code, n_threads, block, q4)
+                                          layer_dt(dt, i), cuts, code, n_threads, block, q4)
     return gated_lib._gated_kernel(g, h, up_w[0][i], up_w[1][i], up_w[m][i], layer_dt(dt, i),
-                                   cut, code, n_threads, block, q4)
+                                   cuts, code, n_threads, block, q4)
   return impl
 
 
@@ -308,7 +308,7 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
   (qkv_bias f32[L, E], q_norm, k_norm f32[L, H], post_attn_norm, post_ffn_norm f32[L, D]), each
   [L, 0] when the family has none; cache_k, cache_v: f32[L, b, S, K, H]; cos, sin: f32[n, t, R/2]
   RoPE tables, layer i using table rope_of[i]; windows: i64[L] (0: global attention).
-  Gate-first FFN (`gated_ffn`) when cuts (f32[L]) is not empty: down rows neuron-major in dt
+  Gate-first FFN (`gated_ffn`) when cuts (f32[L, 2]: gate, contribution) is not empty: down rows neuron-major in dt
   ([L, F, ...] Q8_0 or Q4_1 arrays); layer i's fraction of neurons computed (down rows read) is written
   to active[i], of neurons whose gate passed (up rows read) to passed[i].
   (numba's disk cache keys this function on decoder.py only: after editing a kernel it calls
@@ -410,9 +410,11 @@ class HostDecoder:
     self.attn_scale = float(attn_scale) if attn_scale else float(head_dim) ** -0.5
     self.embedding_scale = float(embedding_scale)
     self.gate_cuts = None  # Per-layer cuts when the gate-first sparse FFN is on (enable_gated).
+    self.contribution_cuts = None  # Per-layer |act| cuts of the down rows (None: all 0).
     self._down_t = None  # Per-layer neuron-major down rows for it (Q8_0 or Q4_1).
     self._stacked_down_t = None  # The same rows stacked [L, F, ...] for `_layers_kernel`.
     self._record = None  # Calibration: per-layer lists of |act_gate(g)| (calibrate_gate_cuts).
+    self._record_contribution = False  # ... or of |act(g, u)|.
     self.last_active = np.ones(len(layers), np.float32)  # Active FFN fraction, last forward.
     self.last_passed = np.ones(len(layers), np.float32)  # Gate-passed fraction (up rows read).
     # Sums over gate-first forward passes of mean(last_active), mean(last_passed): the up rows
@@ -528,9 +530,13 @@ class HostDecoder:
     return HostKVCache(_lazy_zeros(shape), _lazy_zeros(shape))
 
   # ------------------------------------------------------------------------- sparsity
-  def enable_gated(self, cuts, down_format: str | None = None) -> None:
+  def enable_gated(self, cuts, down_format: str | None = None,
+                   contribution_cuts=None) -> None:
     """Turns on the gate-first sparse FFN (`host_ops.gated_ffn`) with per-layer cuts
     (float[L], >= 0; ReLU families skip exactly g <= 0 whatever the cut), or off with None.
+
+    contribution_cuts: float[L] >= 0, or None (zeros): a neuron that passes the gate keeps its
+    down row only if |act(g, u)| reaches its layer's cut (`gated_ffn`'s contribution_cut).
 
     down_format: the neuron-major down rows, re-quantized from the file's values: "q8_0"
     (1.0625 bytes/weight; the default: SmolLM2 Q4_1 perplexity 27.09 against 26.99 dense) or
@@ -546,15 +552,19 @@ class HostDecoder:
       raise HostOpError(f"down_format must be one of {', '.join(gated_lib.DOWN_KINDS)}, got "
                         f"{down_format!r}")
     if cuts is None:
-      self.gate_cuts = None
+      self.gate_cuts = self.contribution_cuts = None
       self.last_active[:] = 1.0
       self.last_passed[:] = 1.0
       return
     if self.family == "geglu":
       raise HostOpError("the gate-first sparse FFN supports swiglu, reglu and drelu, not geglu")
     cuts = [float(c) for c in cuts]
-    if len(cuts) != self.n_layers or not all(c >= 0 and np.isfinite(c) for c in cuts):
-      raise HostOpError(f"enable_gated needs {self.n_layers} finite cuts >= 0, got {cuts}")
+    ccuts = [0.0] * self.n_layers if contribution_cuts is None else \
+        [float(c) for c in contribution_cuts]
+    for name, values in (("cuts", cuts), ("contribution_cuts", ccuts)):
+      if len(values) != self.n_layers or not all(c >= 0 and np.isfinite(c) for c in values):
+        raise HostOpError(f"enable_gated needs {self.n_layers} finite {name} >= 0, got "
+                          f"{values}")
     if self._down_t is None or self._down_t[0].kind != down_format:
       self.enable_gated(None)  # Off and the old rows freed while the new ones are built.
       self._down_t = self._stacked_down_t = None
@@ -571,7 +581,9 @@ class HostDecoder:
         down_t.append(w)
       self._down_t, self._stacked_down_t = down_t, stacked_t
     self.gate_cuts = cuts
-    self._cuts = np.asarray(cuts, np.float32)  # What `_layers_kernel` reads, once, not per pass.
+    self.contribution_cuts = None if contribution_cuts is None else ccuts
+    # What `_layers_kernel` reads, once, not per pass: f32[L, 2] (gate cut, contribution cut).
+    self._cuts = np.ascontiguousarray(np.stack([cuts, ccuts], axis=1), np.float32)
 
   @property
   def down_format(self) -> str | None:
@@ -579,16 +591,20 @@ class HostDecoder:
     FFN is off), None before any."""
     return None if self._down_t is None else self._down_t[0].kind
 
-  def calibrate_gate_cuts(self, chunks, sparsity: float) -> list[float]:
+  def calibrate_gate_cuts(self, chunks, sparsity: float, contribution: bool = False
+                          ) -> list[float]:
     """Per-layer cuts on |act_gate(gate . h)| that skip `sparsity` of the FFN neurons on the
-    calibration tokens (the per-layer quantile; CATS §3). chunks: int[t] token arrays, each run
-    from position 0 with the dense FFN in a cache of its own. Returns float[L].
+    calibration tokens (the per-layer quantile; CATS §3), or with contribution=True on the
+    neuron's whole activation |act(gate . h, up . h)| (`enable_gated`'s contribution_cuts).
+    chunks: int[t] token arrays, each run from position 0 with the dense FFN in a cache of its
+    own. Returns float[L].
     """
     if not 0.0 <= sparsity < 1.0:
       raise HostOpError(f"target sparsity must be in [0, 1), got {sparsity}")
     saved = self.gate_cuts
     self.gate_cuts = None
     self._record = [[] for _ in self.layers]
+    self._record_contribution = bool(contribution)
     try:
       for chunk in chunks:
         chunk = np.asarray(chunk).reshape(1, -1)
@@ -671,7 +687,7 @@ class HostDecoder:
     if self._stacked is not None and self._record is None:
       n_threads = _common.ensure_host_threads()
       if self.gate_cuts is None:
-        cuts, dt = np.zeros(0, np.float32), _NO_DOWN_T
+        cuts, dt = np.zeros((0, 2), np.float32), _NO_DOWN_T
       else:
         cuts, dt = self._cuts, self._stacked_down_t
       x = _layers_kernel(x, b, t, *self._stacked, cache.k, cache.v, pos, cos, sin,
@@ -697,15 +713,17 @@ class HostDecoder:
       x = x + (self._norm(h, post_attn) if post_attn.size else h)
       h = self._norm(x, layer.ffn_norm)
       g = layer.gate.matmul(h, dot=dot)
-      if self._record is not None:
+      if self._record is not None and not self._record_contribution:
         self._record[i].append(np.abs(_gate_activation(g, self.code)).ravel())
       if self.gate_cuts is None:
-        y = layer.down.matmul(_activation_kernel(g, layer.up.matmul(h, dot=dot), self.code),
-                              dot=dot)
+        a = _activation_kernel(g, layer.up.matmul(h, dot=dot), self.code)
+        if self._record is not None and self._record_contribution:
+          self._record[i].append(np.abs(a).ravel())
+        y = layer.down.matmul(a, dot=dot)
       else:
         y, active, passed = gated_lib.gated_ffn(g, h, layer.up, self._down_t[i],
                                                 cut=self.gate_cuts[i], family=self.family,
-                                                dot=dot)
+                                                dot=dot, contribution_cut=self._cuts[i, 1])
         self.last_active[i] = active.mean() / g.shape[1]
         self.last_passed[i] = passed.mean() / g.shape[1]
       x = x + (self._norm(y, post_ffn) if post_ffn.size else y)
@@ -790,7 +808,8 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
     else:
       y = gated_lib.gated_ffn_reference(mm(layer.gate, h), h, layer.up, dec._down_t[li],
                                         cut=dec.gate_cuts[li], family=dec.family,
-                                        dot=dec.dot)[0]
+                                        dot=dec.dot,
+                                        contribution_cut=float(dec._cuts[li, 1]))[0]
     x = x + norm(y, layer.post_ffn_norm)
   return mm(dec.lm_head, norm(x, dec.final_norm)).astype(np.float32)
 

@@ -11,6 +11,9 @@ only neurons it marks active read their up row and their down row:
   SwiGLU:        active iff |silu(gate . h)| >= cut_l, a per-layer cut calibrated for a target
                  sparsity (CATS, Lee et al. 2024, arXiv 2404.08763 §3: threshold the gate
                  activation's magnitude; no fine-tuning here).
+  any family, with a contribution cut c_l > 0: a neuron that passed also needs
+                 |act(g, u)| >= c_l, so its up row is read but its down row may not be
+                 (`contribution_cut`; SwiGLU's cut 0 then reads every up row).
 
 The down projection is read neuron-major (`down_t`: row i = neuron i's output weights), so it is
 stored re-quantized from the file's values (the file's down blocks run along the neuron axis,
@@ -56,6 +59,11 @@ def _active_ids(g, cut, code):
   ids = np.empty((b, f), np.int32)
   counts = np.zeros(b, np.int64)
   for r in range(b):
+    if code == 0 and cut <= 0:  # Every |silu(g)| >= 0: no exps (the contribution rule's case).
+      for i in range(f):
+        ids[r, i] = i
+      counts[r] = f
+      continue
     c = 0
     for i in range(f):
       gi = g[r, i]
@@ -378,10 +386,17 @@ def _down_threads(acts, ids, counts, dt_q, dt_d, partials, n_threads, block):
           j += 1
 
 
+@numba.njit(inline="always", **_common._JIT)
+def _contribution(a, cut):
+  """a, or 0 when the neuron's contribution |a| is below the cut (cut 0: a unchanged)."""
+  return np.float32(0.0) if cut > 0 and abs(a) < cut else a
+
+
 @numba.njit(parallel=True, **_common._JIT)
-def _up_pass(g, h, up_w, up_d, up_m, cut, code, n_threads, q4):
-  """Pass 1: (acts f32[b, F]: act(g, up . h) for the neurons whose gate passes, 0 elsewhere;
-  passed i64[b]: how many passed, i.e. up rows read).
+def _up_pass(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
+  """Pass 1: (acts f32[b, F]: act(g, up . h) for the neurons whose gate passes cuts[0] and whose
+  |act| reaches cuts[1] (the contribution cut; 0: off), 0 elsewhere; passed i64[b]: how many
+  passed the gate, i.e. up rows read).
 
   up: Q4_1 (q4 true: up_w nibbles u8[F, D/2], up_d, up_m u16[F, D/32]) or Q8_0 (up_w i8[F, D];
   up_m unused), f32 dots. Each thread takes a contiguous share of each row's gate-active list,
@@ -390,78 +405,101 @@ def _up_pass(g, h, up_w, up_d, up_m, cut, code, n_threads, q4):
   -> 3.1 ms per layer).
   """
   b, f = g.shape
-  ids, counts = _active_ids(g, cut, code)
+  ids, counts = _active_ids(g, cuts[0], code)
   xlo, xhi, xsum = qmatmul.split_q4_1_x(h)
   acts = np.zeros((b, f), np.float32)
   for t in numba.prange(n_threads):
     for r in range(b):
       lo = t * counts[r] // n_threads
       hi = (t + 1) * counts[r] // n_threads
-      for j in range(lo, min(lo + AHEAD, hi)):
+      # Every row read (the contribution rule): sequential, the hardware prefetcher's case;
+      # software prefetches cost SmolLM2's up pass ~30%.
+      ahead = 0 if counts[r] == f else AHEAD
+      for j in range(lo, min(lo + ahead, hi)):
         _prefetch_up(ids[r], j, hi, up_w, up_d, up_m, q4)
       for j in range(lo, hi):
-        _prefetch_up(ids[r], j + AHEAD, hi, up_w, up_d, up_m, q4)
+        if ahead:
+          _prefetch_up(ids[r], j + ahead, hi, up_w, up_d, up_m, q4)
         i = ids[r, j]
         if q4:
           u = qmatmul._dot_q4_1(up_w[i], up_d[i], up_m[i], xlo[r], xhi[r], xsum[r])
         else:
           u = qmatmul._dot_q8_0(up_w[i], up_d[i], h[r])
-        acts[r, i] = _common.activation(g[r, i], u, code)
+        acts[r, i] = _contribution(_common.activation(g[r, i], u, code), cuts[1])
   return acts, counts
 
 
 @numba.njit(parallel=True, **_common._JIT)
-def _up_pass_int8(g, h, up_w, up_d, up_m, cut, code, n_threads, q4):
+def _up_pass_int8(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
   """`_up_pass` with up . h an integer dot on h quantized per block (`host_ops.qdot`; compiled
-  only where qdot.AVAILABLE)."""
+  only where qdot.AVAILABLE). When SwiGLU's gate cut is 0 (the contribution rule) every up row
+  is read, so the dense gemv reads them (the same dot per row; SmolLM2's up pass 92 -> ~65 us:
+  BUILD_NOTES.md, issue 11)."""
   b, f = g.shape
-  ids, counts = _active_ids(g, cut, code)
+  if code == 0 and cuts[0] <= 0:
+    u = np.empty((b, f), np.float32)
+    if q4:
+      qdot.gemv_q4_1(up_w, up_d, up_m, h, u)
+    else:
+      qdot.gemv_q8_0(up_w, up_d, h, u)
+    acts = np.empty((b, f), np.float32)
+    for i in numba.prange(f):
+      for r in range(b):
+        acts[r, i] = _contribution(_common.activation(g[r, i], u[r, i], code), cuts[1])
+    return acts, np.full(b, f, np.int64)
+  ids, counts = _active_ids(g, cuts[0], code)
   xq, dx, xsum = qdot.quantize_x(h)
   acts = np.zeros((b, f), np.float32)
   for t in numba.prange(n_threads):
     for r in range(b):
       lo = t * counts[r] // n_threads
       hi = (t + 1) * counts[r] // n_threads
-      for j in range(lo, min(lo + AHEAD, hi)):
+      # Every row read (the contribution rule): sequential, the hardware prefetcher's case;
+      # software prefetches cost SmolLM2's up pass ~30%.
+      ahead = 0 if counts[r] == f else AHEAD
+      for j in range(lo, min(lo + ahead, hi)):
         _prefetch_up(ids[r], j, hi, up_w, up_d, up_m, q4)
       for j in range(lo, hi):
-        _prefetch_up(ids[r], j + AHEAD, hi, up_w, up_d, up_m, q4)
+        if ahead:
+          _prefetch_up(ids[r], j + ahead, hi, up_w, up_d, up_m, q4)
         i = ids[r, j]
         if q4:
           u = qdot._row_dot_q4_1(up_w[i], up_d[i], xq[r], dx[r]) + qdot.offset_dot(up_m[i],
                                                                                    xsum[r])
         else:
           u = qdot._row_dot_q8_0(up_w[i], up_d[i], xq[r], dx[r])
-        acts[r, i] = _common.activation(g[r, i], u, code)
+        acts[r, i] = _contribution(_common.activation(g[r, i], u, code), cuts[1])
   return acts, counts
 
 
 @numba.njit(**_common._JIT)
-def _gated_kernel(g, h, up_w, up_d, up_m, dt, cut, code, n_threads, block, q4):
+def _gated_kernel(g, h, up_w, up_d, up_m, dt, cuts, code, n_threads, block, q4):
   """y[r] = sum over active i of act(g[r, i], up_i . h[r]) * down_t[i]; returns (y, active
   i64[b]: neurons with a nonzero activation, passed i64[b]: neurons whose gate passed).
 
   g: f32[b, F] gate pre-activations; h: f32[b, D]; up: Q4_1 rows [F, D] (q4 true: up_w nibbles
   u8[F, D/2], up_d and up_m u16[F, D/32]) or Q8_0 (up_w i8[F, D], up_d; up_m unused);
   dt: neuron-major down rows [F, D], Q8_0 (q i8[F, D], d u16[F, D/32]) or Q4_1 (qs u8[F, D/2],
-  d, m u16[F, D/32]); scales as f16 bits.
+  d, m u16[F, D/32]); scales as f16 bits; cuts: f32[2], the gate cut and the contribution
+  cut (`_up_pass`).
   """
-  acts, passed = _up_pass(g, h, up_w, up_d, up_m, cut, code, n_threads, q4)
+  acts, passed = _up_pass(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4)
   y, counts = _down_pass(acts, dt, n_threads, block, False)
   return y, counts, passed
 
 
 @numba.njit(**_common._JIT)
-def _gated_int8_kernel(g, h, up_w, up_d, up_m, dt, cut, code, n_threads, block, q4):
+def _gated_int8_kernel(g, h, up_w, up_d, up_m, dt, cuts, code, n_threads, block, q4):
   """`_gated_kernel` with up . h as an integer dot on h quantized per block (`host_ops.qdot`),
   and Q4_1 down rows added in integers (`_add_group_q4_1`)."""
-  acts, passed = _up_pass_int8(g, h, up_w, up_d, up_m, cut, code, n_threads, q4)
+  acts, passed = _up_pass_int8(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4)
   y, counts = _down_pass(acts, dt, n_threads, block, True)
   return y, counts, passed
 
 
 def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float, family: str,
-              dot: str = qmatmul.DOT_F32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              dot: str = qmatmul.DOT_F32, contribution_cut: float = 0.0
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """The gate-first sparse FFN (module docstring).
 
   Args:
@@ -473,6 +511,10 @@ def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
     dot: "f32", or "int8": up . h on h quantized per block of 32 (`host_ops.qdot`), and Q4_1
       down rows added in integers on coefficients quantized per group (`_add_group_q4_1`); f32
       where qdot.AVAILABLE is False.
+    contribution_cut: minimum |act(g, up . h)| of a neuron whose down row is read (>= 0; 0:
+      off). The exact-contribution rule: with cut 0 every up row is read and only down rows
+      are skipped (SmolLM2 with transformers, issue 11: +2.4% perplexity at 48% sparsity;
+      the gate rule here: +12.5% at 38%, BUILD_NOTES.md).
 
   Returns:
     (y: f32[b, D], active: i64[b] neurons with a nonzero activation per row (down rows read),
@@ -489,19 +531,21 @@ def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
     raise HostOpError(f"gated_ffn: g {g.shape}, h {h.shape}, up {up.shape}, down_t "
                       f"{down_t.kind} {down_t.shape} do not match (down_t must be "
                       f"{' or '.join(DOWN_KINDS)} [F, D])")
-  if not (cut >= 0 and math.isfinite(cut)):
-    raise HostOpError(f"gated_ffn: cut must be a finite number >= 0, got {cut}")
+  for name, value in (("cut", cut), ("contribution_cut", contribution_cut)):
+    if not (value >= 0 and math.isfinite(value)):
+      raise HostOpError(f"gated_ffn: {name} must be a finite number >= 0, got {value}")
   if dot not in qmatmul.DOTS:
     raise HostOpError(f"gated_ffn: dot must be one of {', '.join(qmatmul.DOTS)}, got {dot!r}")
   q4 = up.kind == qmatmul.Q4_1
   m = up.arrays[2] if q4 else up.arrays[1]  # Q8_0: a placeholder u16[F, D/32], never read.
   kernel = _gated_int8_kernel if dot == qmatmul.DOT_INT8 and qdot.AVAILABLE else _gated_kernel
-  return kernel(g, h, up.arrays[0], up.arrays[1], m, down_t.arrays, np.float32(cut), code,
+  cuts = np.array([cut, contribution_cut], np.float32)
+  return kernel(g, h, up.arrays[0], up.arrays[1], m, down_t.arrays, cuts, code,
                 _common.ensure_host_threads(), np.int64(qmatmul.BLOCK), q4)
 
 
 def gated_ffn_reference(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
-                        family: str, dot: str = qmatmul.DOT_F32
+                        family: str, dot: str = qmatmul.DOT_F32, contribution_cut: float = 0.0
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Float64 NumPy reference of `gated_ffn` (dot "int8": up . h as `qdot.matmul_reference`)."""
   g = np.asarray(g, np.float64)
@@ -516,6 +560,8 @@ def gated_ffn_reference(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, c
   else:
     keep = g > 0
   a = np.where(keep, a, 0.0)
+  if contribution_cut > 0:
+    a = np.where(np.abs(a) >= contribution_cut, a, 0.0)
   y = down_reference(a.astype(np.float32), down_t, dot=dot)
   return y, (a != 0).sum(axis=1), keep.sum(axis=1)
 

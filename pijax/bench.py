@@ -163,8 +163,8 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
       raise ConfigError("--interleave_dense times the dense FFN beside --gate_sparse decode: "
                         "add --gate_sparse (host weights) and -n > 0, or drop it.")
     dec = model.backend.decoder
-    cuts, down = list(dec.gate_cuts), dec.down_format
-    switch = lambda sparse: dec.enable_gated(cuts if sparse else None, down)  # noqa: E731
+    cuts, down, ccuts = list(dec.gate_cuts), dec.down_format, dec.contribution_cuts
+    switch = lambda sparse: dec.enable_gated(cuts if sparse else None, down, ccuts)  # noqa: E731
   tests = []
   if n_prompt:
     tests.append((bench_prefill(model, n_prompt, reps), model.sparse_mode))

@@ -68,6 +68,12 @@ GATE_DOWN = flags.DEFINE_enum(
     "q4_1 (41% fewer bytes per active neuron, a second 4-bit rounding: SmolLM2 perplexity "
     "+5%).")
 
+GATE_RULE = flags.DEFINE_enum(
+    "gate_rule", None, ["gate", "contribution"], "With --gate_sparse: what the calibrated cuts "
+    "apply to: gate (the default; |silu(gate . h)|, skipped neurons read neither up nor down "
+    "rows) or contribution (|silu(gate . h) * up . h|: every up row read, only down rows "
+    "skipped; much closer to dense at the same sparsity).")
+
 
 def _number(value) -> bool:
   """An int or float that is not NaN (infinities allowed)."""
@@ -118,6 +124,10 @@ def check(cfg: Any = None) -> None:
   if down is not None and not pick(GATE_SPARSE, "gate_sparse"):
     raise ConfigError(f"--gate_down={down} sets the down rows of --gate_sparse: add "
                       "--gate_sparse or drop --gate_down.")
+  rule = pick(GATE_RULE, "gate_rule")
+  if rule is not None and rule != "gate" and not pick(GATE_SPARSE, "gate_sparse"):
+    raise ConfigError(f"--gate_rule={rule} says what --gate_sparse cuts on: add --gate_sparse "
+                      "or drop --gate_rule.")
   if pick(GATE_SPARSE, "gate_sparse") and pick(HOST_WEIGHTS, "host_weights") == "off":
     raise ConfigError("--gate_sparse runs on quantized host weights, but --host_weights=off "
                       "keeps the weights in XLA; drop one of them.")
@@ -165,7 +175,8 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
         host_weights, gate_sparse=bool(pick(GATE_SPARSE, "gate_sparse")),
         gate_sparsity=0.5 if sparsity is None else sparsity,
         calibration_file=pick(CALIBRATION_FILE, "calibration_file"),
-        dot=pick(HOST_DOT, "host_dot"), gate_down=pick(GATE_DOWN, "gate_down"))
+        dot=pick(HOST_DOT, "host_dot"), gate_down=pick(GATE_DOWN, "gate_down"),
+        gate_rule=pick(GATE_RULE, "gate_rule"))
     return
   if host_weights not in ("auto", "off"):
     from pijax.errors import ConfigError
@@ -175,7 +186,8 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
     from pijax.errors import ConfigError
     raise ConfigError("--host_dot is for dense runs on host weights of a GGUF; sparse modes and "
                       "bundles use f32 rows (drop --host_dot).")
-  if pick(GATE_SPARSE, "gate_sparse") or pick(GATE_DOWN, "gate_down"):
+  if pick(GATE_SPARSE, "gate_sparse") or pick(GATE_DOWN, "gate_down") or \
+      pick(GATE_RULE, "gate_rule"):
     from pijax.errors import ConfigError
     raise ConfigError("--gate_sparse runs on quantized host weights of a plain GGUF; bundles and "
                       "--sparse modes use their own predictors (drop --gate_sparse).")

@@ -312,6 +312,83 @@ def test_gated_ffn_matches_reference(kind, family, cut, dot, down_kind):
     gated_ffn.gated_ffn(g, h, up, down_t, cut=float("nan"), family=family)
 
 
+@pytest.mark.parametrize("family,dot,down_kind", [("swiglu", "f32", "q8_0"),
+                                                   ("swiglu", "int8", "q4_1"),
+                                                   ("drelu", "int8", "q8_0")])
+def test_gated_ffn_contribution_cut_matches_reference(family, dot, down_kind):
+  """The contribution cut keeps the down rows of neurons with |act(g, u)| >= cut only: against
+  the float64 reference on random blocks (a cut halfway between two of the reference's |act|,
+  so no neuron sits on it), the empty set (a huge cut), and cut 0 equal to no cut at all."""
+  from host_ops import gated_ffn
+  rng = np.random.default_rng(13)
+  up = _random_matrix(rng, "q4_1", 96, 64)
+  rows = rng.standard_normal((96, 64)).astype(np.float32)
+  down_t = (qmatmul.quantize_q4_1 if down_kind == "q4_1" else qmatmul.quantize_q8_0)(rows)
+  h = rng.standard_normal((3, 64)).astype(np.float32)
+  g = rng.standard_normal((3, 96)).astype(np.float32)
+  if dot == "int8" and qdot.AVAILABLE:
+    u = qdot.matmul_reference(up.kind, up.arrays, h).astype(np.float64)
+  else:
+    u = h.astype(np.float64) @ qmatmul.dequantize_reference(up).T
+  acts = np.sort(np.abs(_common.activation_reference(g.astype(np.float64), u, family)).ravel())
+  acts = acts[acts > 0]
+  k = len(acts) // 2
+  cut = float(acts[k - 1] + acts[k]) / 2
+  run = lambda c: gated_ffn.gated_ffn(g, h, up, down_t, cut=0.0, family=family, dot=dot,  # noqa
+                                      contribution_cut=c)
+  y, active, passed = run(cut)
+  ref, ref_active, ref_passed = gated_ffn.gated_ffn_reference(
+      g, h, up, down_t, cut=0.0, family=family, dot=dot, contribution_cut=cut)
+  np.testing.assert_array_equal(active, ref_active)
+  np.testing.assert_array_equal(passed, ref_passed)
+  assert active.sum() == len(acts) - k and (active < passed).all() and (active > 0).all()
+  if family == "swiglu":
+    assert (passed == 96).all()  # Gate cut 0: every up row read.
+  tol = 2e-3 if (down_kind, dot) == ("q4_1", "int8") else 1e-5
+  np.testing.assert_allclose(y, ref, rtol=1e-4, atol=tol * max(1.0, np.abs(ref).max()))
+  y0, active0, _ = run(0.0)
+  plain = gated_ffn.gated_ffn(g, h, up, down_t, cut=0.0, family=family, dot=dot)
+  np.testing.assert_array_equal(y0, plain[0])
+  np.testing.assert_array_equal(active0, plain[1])
+  y_none, active_none, passed_none = run(1e9)
+  assert (active_none == 0).all() and (y_none == 0).all() and (passed_none == passed).all()
+  for bad in (float("nan"), -1.0, float("inf")):
+    with pytest.raises(HostOpError, match="contribution_cut"):
+      run(bad)
+
+
+@pytest.mark.parametrize("dot", ["f32", "int8"])
+def test_decoder_contribution_cuts_match_reference(dot):
+  """SwiGLU with calibrated contribution cuts (gate cuts 0): every up row read, about the
+  calibrated fraction of down rows skipped; the decoder equals the float64 reference decoder
+  with the same masks (prefill then decode), the one-call layer loop the per-layer loop."""
+  rng = np.random.default_rng(5)
+  dec = _tiny_decoder(rng, "q4_1", adjacent=True, family="swiglu", dot=dot)
+  calib = [rng.integers(0, 50, 12) for _ in range(3)]
+  ccuts = dec.calibrate_gate_cuts(calib, 0.5, contribution=True)
+  assert all(c > 0 for c in ccuts)
+  assert ccuts != dec.calibrate_gate_cuts(calib, 0.5)  # |act(g, u)|, not |silu(g)|.
+  dec.enable_gated([0.0, 0.0], contribution_cuts=ccuts)
+  assert dec.contribution_cuts == ccuts and dec.gate_cuts == [0.0, 0.0]
+  tokens = rng.integers(0, 50, 9)
+  ref = decoder_lib.decoder_reference(dec, tokens)
+  runs = []
+  for stacked in (dec._stacked, None):
+    dec._stacked = stacked
+    cid = dec.new_cache(1, 16)
+    got = [dec.forward(cid, tokens[None, :6], 0)]
+    for i in range(6, 9):
+      got.append(dec.forward(cid, tokens[None, i:i + 1], i))
+      assert 0.2 < dec.last_active.mean() < 0.8 and (dec.last_passed == 1.0).all()
+    runs.append(np.concatenate(got))
+    _assert_logits_match(runs[-1], ref, dec.dot)
+  np.testing.assert_allclose(runs[0], runs[1], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+  dec.enable_gated(None)
+  assert dec.contribution_cuts is None and dec.gate_cuts is None
+  with pytest.raises(HostOpError, match="contribution_cuts"):
+    dec.enable_gated([0.0, 0.0], contribution_cuts=[0.1])
+
+
 @pytest.mark.parametrize("dot", ["f32", "int8"])
 @pytest.mark.parametrize("family", ["swiglu", "reglu", "drelu"])
 def test_decoder_gated_matches_reference(family, dot):
@@ -572,7 +649,9 @@ def test_host_dot_combinations_refused_before_loading(prog, args):
     ("pijax.bench", ["-m", "default", "--gate_down=q4_1", "--sparse=oracle"],
      ("--gate_down", "--gate_sparse")),
     ("pijax.serve", ["--model=default", "--gate_sparse", "--host_weights=off"],
-     ("--gate_sparse", "--host_weights=off"))])
+     ("--gate_sparse", "--host_weights=off")),
+    ("pijax.serve", ["--model=default", "--gate_rule=contribution"],
+     ("--gate_rule", "--gate_sparse"))])
 def test_gate_flag_combinations_refused_before_loading(prog, args, names):
   """--gate_down without --gate_sparse, and --gate_sparse with --host_weights=off: one line
   naming the flags, exit 2, before the server listens (a tester found two lines, the first

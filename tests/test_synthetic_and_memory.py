@@ -52,6 +52,41 @@ def test_synthetic_drelu_file_runs_sparse_on_host(tmp_path):
       len(dense.token_ids)
 
 
+def test_contribution_rule_on_host_weights(tmp_path, shared_dir):
+  """--gate_rule=contribution through the host backend on the tiny dReLU file: gate cuts 0,
+  contribution cuts calibrated on text for a sparsity above dReLU's own (~75%), so fewer
+  down rows than exact zeros alone while every g > 0 still reads its up row; the bench's
+  dense/sparse switch keeps the contribution cuts; refused without --gate_sparse."""
+  import pijax
+  from pijax import bench
+  from pijax.errors import ConfigError
+  path = tmp_path / "syn.gguf"
+  synthetic.write(str(path), shape="tiny", qtype="Q4_1", activation="drelu")
+  model = pijax.load(path, max_seq_len=64)
+  cal = str(shared_dir / "data" / "tinyshakespeare" / "input.txt")
+  ids = np.asarray([[1, 5, 9, 300, 42]])
+  model.configure_host_weights("auto", gate_sparse=True, dot="f32")
+  exact = model.backend.decoder
+  exact.forward(exact.new_cache(1, 8), ids, 0)
+  exact_active, exact_passed = exact.last_active.mean(), exact.last_passed.copy()
+  model.configure_host_weights("auto", gate_sparse=True, dot="f32", gate_rule="contribution",
+                               gate_sparsity=0.9, calibration_file=cal)
+  dec = model.backend.decoder
+  cuts = dec.contribution_cuts
+  assert dec.gate_cuts == [0.0, 0.0] and all(c > 0 for c in cuts)
+  dec.forward(dec.new_cache(1, 8), ids, 0)
+  assert dec.last_active.mean() < 0.8 * exact_active
+  # Layer 0 sees the same input, so the same gates pass; layer 1 an input a little changed.
+  assert dec.last_passed[0] == exact_passed[0]
+  assert dec.last_passed[1] == pytest.approx(exact_passed[1], abs=0.05)
+  gate, dense = bench.run(model, n_prompt=0, n_gen=4, reps=1, threads=1, interleave_dense=True)
+  assert dec.contribution_cuts == cuts and gate["ffn_sparsity"] > 1 - 0.8 * exact_active
+  assert dense["ffn_sparsity"] == 0.0
+  for rule, sparse in (("contribution", False), ("nope", True)):
+    with pytest.raises(ConfigError, match="--gate_rule"):
+      model.configure_host_weights("auto", gate_sparse=sparse, gate_rule=rule)
+
+
 def test_bench_interleaves_dense_and_gate_sparse_decode(tmp_path):
   """`pijax.bench --gate_sparse --interleave_dense` on the tiny dReLU file: a gate row and a
   dense row from one process, the ratio on the gate row, bytes that count every up row read

@@ -48,6 +48,10 @@ WEIGHTS_GGUF = "gguf"
 WEIGHTS_Q8_0 = "q8_0"
 WEIGHTS_AUTO = "auto"
 WEIGHT_CHOICES = (WEIGHTS_AUTO, WEIGHTS_OFF, WEIGHTS_GGUF, WEIGHTS_Q8_0)
+# What --gate_sparse's calibrated cuts apply to (`build`).
+GATE_RULE_GATE = "gate"
+GATE_RULE_CONTRIBUTION = "contribution"
+GATE_RULES = (GATE_RULE_GATE, GATE_RULE_CONTRIBUTION)
 # GGML type name -> host kernel format, for every type a host kernel reads from its blocks.
 _KEPT_TYPES = qmatmul.GGML_KINDS
 
@@ -318,7 +322,8 @@ def choose_weights(weights: str, *, path: str, dtype: Any, is_bundle: bool) -> s
 
 def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
           calibration_chunks=None, gate_sparsity: float = 0.5,
-          dot: str = qmatmul.DOT_INT8, gate_down: str | None = None) -> HostBackend:
+          dot: str = qmatmul.DOT_INT8, gate_down: str | None = None,
+          gate_rule: str = GATE_RULE_GATE) -> HostBackend:
   """A HostBackend for a GGUF, its numba kernels loaded (compiled on first use) before returning.
 
   Args:
@@ -329,6 +334,8 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
       (SwiGLU), or zero cuts (ReLU families and gate_sparsity 0: exact zeros skipped).
     gate_down: the neuron-major down rows' format, "q8_0" | "q4_1" | None (q8_0;
       `HostDecoder.enable_gated`).
+    gate_rule: "gate" (the cuts are on |act_gate(g)|) or "contribution" (gate cuts 0, the
+      calibrated cuts on |act(g, u)|: every up row read, down rows skipped).
 
   Raises:
     ConfigError, GGUFError: see `build_decoder`; UnsupportedError for a family it cannot run.
@@ -345,9 +352,13 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
     dec.forward(cache, np.zeros((1, 1), np.int64), rows)
     if gate_cuts:
       cuts = [0.0] * dec.n_layers
+      contribution = gate_rule == GATE_RULE_CONTRIBUTION
       if calibration_chunks is not None:
-        cuts = dec.calibrate_gate_cuts(calibration_chunks, gate_sparsity)
-      dec.enable_gated(cuts, down_format=gate_down)
+        cuts = dec.calibrate_gate_cuts(calibration_chunks, gate_sparsity, contribution)
+      if contribution:
+        dec.enable_gated([0.0] * dec.n_layers, down_format=gate_down, contribution_cuts=cuts)
+      else:
+        dec.enable_gated(cuts, down_format=gate_down)
     heap.release_free_heap()
   except host_ops.HostOpError as err:
     raise ConfigError(f"--host_weights={weights}: {err}") from None
@@ -376,7 +387,8 @@ def calibration_chunks(model, path: str | None, n_chunks: int = 8, length: int =
     ConfigError: no file given, unreadable, or too short.
   """
   if not path:
-    raise ConfigError("--gate_sparse on a SwiGLU model calibrates its cuts on text: pass "
+    raise ConfigError("--gate_sparse calibrates its cuts on text (SwiGLU, or "
+                      "--gate_rule=contribution with --gate_sparsity > 0): pass "
                       "--calibration_file=FILE (e.g. ../shared/data/tinyshakespeare/input.txt; "
                       "never the evaluation text).")
   try:
@@ -395,7 +407,8 @@ def calibration_chunks(model, path: str | None, n_chunks: int = 8, length: int =
 
 def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
               gate_sparsity: float = 0.5, calibration_file: str | None = None,
-              dot: str | None = None, gate_down: str | None = None) -> base.Backend:
+              dot: str | None = None, gate_down: str | None = None,
+              gate_rule: str | None = None) -> base.Backend:
   """The backend for a dense run of `model` (`pijax.engine.Model`) with `--host_weights`.
 
   Args:
@@ -404,7 +417,12 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
       zeros; SwiGLU skips neurons with |silu(gate . h)| below a per-layer cut calibrated for
       `gate_sparsity` on `calibration_file` (CATS, arXiv 2404.08763 §3; never the evaluation
       text).
-    gate_sparsity: SwiGLU target fraction of FFN neurons skipped, in [0, 1).
+    gate_sparsity: SwiGLU target fraction of FFN neurons skipped, in [0, 1) (with
+      gate_rule "contribution": any family's, counting exact zeros).
+    gate_rule: with gate_sparse, what the calibrated cuts apply to: "gate" (None means it;
+      |act_gate(gate . h)|: skipped neurons read neither up nor down rows) or "contribution"
+      (|act(gate . h, up . h)|: every up row read, down rows skipped; the sound rule for
+      SwiGLU on 4-bit weights, issue 11).
     gate_down: with gate_sparse, the format of the neuron-major down rows: "q8_0" (1.0625
       bytes/weight; None means it) or "q4_1" (0.625, a second 4-bit rounding).
     dot: "int8" (decode matmuls quantize activations per block of 32 and sum integer products,
@@ -432,6 +450,10 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
   if gate_down is not None and (not gate_sparse or gate_down not in gated_ffn.DOWN_KINDS):
     raise ConfigError(f"--gate_down={gate_down} sets the down rows of --gate_sparse: use one of "
                       f"{', '.join(gated_ffn.DOWN_KINDS)} with --gate_sparse, or drop it.")
+  gate_rule = GATE_RULE_GATE if gate_rule is None else gate_rule
+  if gate_rule not in GATE_RULES or (gate_rule != GATE_RULE_GATE and not gate_sparse):
+    raise ConfigError(f"--gate_rule={gate_rule} says what --gate_sparse cuts on: use one of "
+                      f"{', '.join(GATE_RULES)} with --gate_sparse, or drop it.")
   if gate_sparse and weights == WEIGHTS_OFF:
     raise ConfigError("--gate_sparse runs on quantized host weights: add --host_weights=gguf "
                       "(or q8_0); it needs a plain GGUF.")
@@ -441,8 +463,10 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
   if weights == WEIGHTS_OFF:
     return xla.XlaBackend(model.config, model.params, model.dtype)
   chunks = None
-  if gate_sparse and model.config.ffn_family == "swiglu" and gate_sparsity > 0:
+  if gate_sparse and gate_sparsity > 0 and (model.config.ffn_family == "swiglu" or
+                                            gate_rule == GATE_RULE_CONTRIBUTION):
     chunks = calibration_chunks(model, calibration_file)
   return build(model.config, model.path, weights, gate_cuts=gate_sparse or None,
                calibration_chunks=chunks, gate_sparsity=gate_sparsity,
-               dot=qmatmul.DOT_INT8 if dot is None else dot, gate_down=gate_down)
+               dot=qmatmul.DOT_INT8 if dot is None else dot, gate_down=gate_down,
+               gate_rule=gate_rule)
