@@ -18,6 +18,7 @@ shared with other work, or where XLA's own threads are busy, use fewer host thre
 from __future__ import annotations
 
 import math
+import numbers
 
 import llvmlite.binding
 import numba
@@ -67,6 +68,21 @@ def family_code(family: str) -> int:
   except KeyError:
     raise HostOpError(f"unknown FFN family {family!r}: host ops support {', '.join(FAMILIES)} "
                       f"(relu_mlp is not a gated FFN)") from None
+
+
+def cut_value(name: str, value) -> np.float32:
+  """A sparsity cut as the kernels read it: f32, finite and >= 0.
+
+  Raises:
+    HostOpError: not a real number, or negative, NaN or beyond f32's range.
+  """
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    raise HostOpError(f"{name} must be a number >= 0, got {value!r}")
+  with np.errstate(over="ignore"):
+    cut = np.float32(value)
+  if not (cut >= 0 and math.isfinite(cut)):
+    raise HostOpError(f"{name} must be a finite f32 number >= 0, got {value!r}")
+  return cut
 
 
 def set_host_threads(n: int) -> None:

@@ -552,19 +552,18 @@ class HostDecoder:
       raise HostOpError(f"down_format must be one of {', '.join(gated_lib.DOWN_KINDS)}, got "
                         f"{down_format!r}")
     if cuts is None:
+      if contribution_cuts is not None:
+        raise HostOpError("contribution_cuts need cuts (the gate cuts; zeros for the "
+                          "contribution rule alone); None turns the sparse FFN off")
       self.gate_cuts = self.contribution_cuts = None
       self.last_active[:] = 1.0
       self.last_passed[:] = 1.0
       return
     if self.family == "geglu":
       raise HostOpError("the gate-first sparse FFN supports swiglu, reglu and drelu, not geglu")
-    cuts = [float(c) for c in cuts]
+    cuts = self._cut_list("cuts", cuts)
     ccuts = [0.0] * self.n_layers if contribution_cuts is None else \
-        [float(c) for c in contribution_cuts]
-    for name, values in (("cuts", cuts), ("contribution_cuts", ccuts)):
-      if len(values) != self.n_layers or not all(c >= 0 and np.isfinite(c) for c in values):
-        raise HostOpError(f"enable_gated needs {self.n_layers} finite {name} >= 0, got "
-                          f"{values}")
+        self._cut_list("contribution_cuts", contribution_cuts)
     if self._down_t is None or self._down_t[0].kind != down_format:
       self.enable_gated(None)  # Off and the old rows freed while the new ones are built.
       self._down_t = self._stacked_down_t = None
@@ -585,6 +584,18 @@ class HostDecoder:
     # What `_layers_kernel` reads, once, not per pass: f32[L, 2] (gate cut, contribution cut).
     self._cuts = np.ascontiguousarray(np.stack([cuts, ccuts], axis=1), np.float32)
 
+  def _cut_list(self, name: str, values) -> list[float]:
+    """values as n_layers floats (each finite in f32 and >= 0), or HostOpError."""
+    try:
+      values = list(values)
+    except TypeError:
+      raise HostOpError(f"enable_gated needs {self.n_layers} {name} (one per layer), got "
+                        f"{values!r}") from None
+    if len(values) != self.n_layers:
+      raise HostOpError(f"enable_gated needs {self.n_layers} {name} (one per layer), got "
+                        f"{len(values)}")
+    return [float(_common.cut_value(f"enable_gated: {name}", v)) for v in values]
+
   @property
   def down_format(self) -> str | None:
     """The format of the neuron-major down rows built ("q4_1" | "q8_0"; kept while the sparse
@@ -601,6 +612,9 @@ class HostDecoder:
     """
     if not 0.0 <= sparsity < 1.0:
       raise HostOpError(f"target sparsity must be in [0, 1), got {sparsity}")
+    chunks = list(chunks)
+    if not chunks:
+      raise HostOpError("calibrate_gate_cuts needs at least one chunk of tokens")
     saved = self.gate_cuts
     self.gate_cuts = None
     self._record = [[] for _ in self.layers]

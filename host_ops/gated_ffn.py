@@ -31,8 +31,6 @@ sums added in thread order: bitwise reproducible for a fixed thread count. Layou
 
 from __future__ import annotations
 
-import math
-
 import numba
 import numpy as np
 from llvmlite import ir
@@ -531,15 +529,13 @@ def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
     raise HostOpError(f"gated_ffn: g {g.shape}, h {h.shape}, up {up.shape}, down_t "
                       f"{down_t.kind} {down_t.shape} do not match (down_t must be "
                       f"{' or '.join(DOWN_KINDS)} [F, D])")
-  for name, value in (("cut", cut), ("contribution_cut", contribution_cut)):
-    if not (value >= 0 and math.isfinite(value)):
-      raise HostOpError(f"gated_ffn: {name} must be a finite number >= 0, got {value}")
+  cuts = np.array([_common.cut_value("gated_ffn: cut", cut),
+                   _common.cut_value("gated_ffn: contribution_cut", contribution_cut)])
   if dot not in qmatmul.DOTS:
     raise HostOpError(f"gated_ffn: dot must be one of {', '.join(qmatmul.DOTS)}, got {dot!r}")
   q4 = up.kind == qmatmul.Q4_1
   m = up.arrays[2] if q4 else up.arrays[1]  # Q8_0: a placeholder u16[F, D/32], never read.
   kernel = _gated_int8_kernel if dot == qmatmul.DOT_INT8 and qdot.AVAILABLE else _gated_kernel
-  cuts = np.array([cut, contribution_cut], np.float32)
   return kernel(g, h, up.arrays[0], up.arrays[1], m, down_t.arrays, cuts, code,
                 _common.ensure_host_threads(), np.int64(qmatmul.BLOCK), q4)
 

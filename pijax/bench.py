@@ -159,18 +159,19 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
   interleave_dense is asked for any other mode."""
   switch = None
   if interleave_dense:
-    if model.sparse_mode != "gate" or not n_gen:
+    if model.sparse_mode not in ("gate", "contribution") or not n_gen:
       raise ConfigError("--interleave_dense times the dense FFN beside --gate_sparse decode: "
                         "add --gate_sparse (host weights) and -n > 0, or drop it.")
     dec = model.backend.decoder
     cuts, down, ccuts = list(dec.gate_cuts), dec.down_format, dec.contribution_cuts
-    switch = lambda sparse: dec.enable_gated(cuts if sparse else None, down, ccuts)  # noqa: E731
+    switch = lambda sparse: dec.enable_gated(cuts, down, ccuts) if sparse else \
+        dec.enable_gated(None)  # noqa: E731
   tests = []
   if n_prompt:
     tests.append((bench_prefill(model, n_prompt, reps), model.sparse_mode))
   if n_gen:
     r = bench_decode(model, n_gen, reps, switch=switch)
-    tests += [(r[0], "gate"), (r[1], "off")] if switch else [(r, model.sparse_mode)]
+    tests += [(r[0], model.sparse_mode), (r[1], "off")] if switch else [(r, model.sparse_mode)]
   size = weights_size_bytes(model)
   rows = []
   for r, mode in tests:

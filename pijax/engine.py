@@ -271,7 +271,8 @@ class Model:
 
   @property
   def sparse_mode(self) -> str:
-    """"off", the hybrid modes ("oracle", "predictor"), or "gate" (host weights, gate-first)."""
+    """"off", the hybrid modes ("oracle", "predictor"), or "gate" / "contribution" (host
+    weights, gate-first; --gate_rule)."""
     return self.backend.mode
 
   @property

@@ -166,6 +166,11 @@ def main(argv: list[str]) -> None:
       raise ConfigError(f"--kl_divergence_base={f.kl_divergence_base} is a folder; name the file "
                         "to write (e.g. base.npy).")
   sparse_flags.check()  # --hot_ratio etc.: refused before the load, even for a plain GGUF.
+  calibration = sparse_flags.CALIBRATION_FILE.value
+  if calibration and os.path.isfile(calibration) and os.path.isfile(f.file) and \
+      os.path.samefile(calibration, f.file):
+    raise ConfigError(f"--calibration_file={calibration} is the evaluation text (-f): calibrate "
+                      "on other text (e.g. ../shared/data/tinyshakespeare/input.txt).")
   try:
     with open(f.file, encoding="utf-8") as fh:
       text = fh.read()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from typing import Any
 
@@ -124,10 +125,27 @@ def check(cfg: Any = None) -> None:
   if down is not None and not pick(GATE_SPARSE, "gate_sparse"):
     raise ConfigError(f"--gate_down={down} sets the down rows of --gate_sparse: add "
                       "--gate_sparse or drop --gate_down.")
+  gate_sparse = pick(GATE_SPARSE, "gate_sparse")
   rule = pick(GATE_RULE, "gate_rule")
-  if rule is not None and rule != "gate" and not pick(GATE_SPARSE, "gate_sparse"):
+  if rule is not None and rule not in ("gate", "contribution"):
+    raise ConfigError(f"--gate_rule={rule} must be gate or contribution.")
+  if rule is not None and not gate_sparse:
     raise ConfigError(f"--gate_rule={rule} says what --gate_sparse cuts on: add --gate_sparse "
                       "or drop --gate_rule.")
+  given = [f"--{name}" for name, value in (("gate_sparse", gate_sparse), ("gate_rule", rule),
+                                           ("gate_down", down)) if value]
+  mode = pick(SPARSE, "sparse") or "off"
+  if given and mode != "off":
+    raise ConfigError(f"{' / '.join(given)} run on quantized host weights of a plain GGUF; "
+                      f"--sparse={mode} uses its own predictors: drop one of them.")
+  calibration = pick(CALIBRATION_FILE, "calibration_file")
+  sparsity = pick(GATE_SPARSITY, "gate_sparsity")
+  if gate_sparse and rule == "contribution" and sparsity != 0 and not calibration:
+    raise ConfigError("--gate_rule=contribution calibrates its cuts on text: pass "
+                      "--calibration_file=FILE (e.g. ../shared/data/tinyshakespeare/input.txt; "
+                      "never the evaluation text).")
+  if gate_sparse and calibration and not os.path.isfile(calibration):
+    raise ConfigError(f"--calibration_file={calibration}: no such file.")
   if pick(GATE_SPARSE, "gate_sparse") and pick(HOST_WEIGHTS, "host_weights") == "off":
     raise ConfigError("--gate_sparse runs on quantized host weights, but --host_weights=off "
                       "keeps the weights in XLA; drop one of them.")
@@ -186,11 +204,13 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
     from pijax.errors import ConfigError
     raise ConfigError("--host_dot is for dense runs on host weights of a GGUF; sparse modes and "
                       "bundles use f32 rows (drop --host_dot).")
-  if pick(GATE_SPARSE, "gate_sparse") or pick(GATE_DOWN, "gate_down") or \
-      pick(GATE_RULE, "gate_rule"):
+  given = [f"--{name}" for name, flag in (("gate_sparse", GATE_SPARSE), ("gate_rule", GATE_RULE),
+                                          ("gate_down", GATE_DOWN)) if pick(flag, name)]
+  if given:
     from pijax.errors import ConfigError
-    raise ConfigError("--gate_sparse runs on quantized host weights of a plain GGUF; bundles and "
-                      "--sparse modes use their own predictors (drop --gate_sparse).")
+    raise ConfigError(f"{' / '.join(given)} run on quantized host weights of a plain GGUF; "
+                      f"bundles and --sparse modes use their own predictors (drop "
+                      f"{' and '.join(given)}).")
   if (mode != "off" and model.sparse is not None and hot_ratio is None and budget is None
       and jax.default_backend() == "cpu"):
     # No accelerator: "device" and host are the same CPU and memory, and the host path is the

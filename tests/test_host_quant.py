@@ -352,7 +352,7 @@ def test_gated_ffn_contribution_cut_matches_reference(family, dot, down_kind):
   np.testing.assert_array_equal(active0, plain[1])
   y_none, active_none, passed_none = run(1e9)
   assert (active_none == 0).all() and (y_none == 0).all() and (passed_none == passed).all()
-  for bad in (float("nan"), -1.0, float("inf")):
+  for bad in (float("nan"), -1.0, float("inf"), 1e300, None, "0.1", True, np.array([0.1, 0.2])):
     with pytest.raises(HostOpError, match="contribution_cut"):
       run(bad)
 
@@ -385,8 +385,14 @@ def test_decoder_contribution_cuts_match_reference(dot):
   np.testing.assert_allclose(runs[0], runs[1], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
   dec.enable_gated(None)
   assert dec.contribution_cuts is None and dec.gate_cuts is None
-  with pytest.raises(HostOpError, match="contribution_cuts"):
-    dec.enable_gated([0.0, 0.0], contribution_cuts=[0.1])
+  for bad in ([0.1], [None, None], ["x", "x"], 0.5, [1e300, 1.0], [0.1, -0.1]):
+    with pytest.raises(HostOpError, match="contribution_cuts"):
+      dec.enable_gated([0.0, 0.0], contribution_cuts=bad)
+    assert dec.gate_cuts is None  # A refused call changes nothing.
+  with pytest.raises(HostOpError, match="contribution_cuts need cuts"):
+    dec.enable_gated(None, contribution_cuts=ccuts)
+  with pytest.raises(HostOpError, match="at least one chunk"):
+    dec.calibrate_gate_cuts([], 0.5, contribution=True)
 
 
 @pytest.mark.parametrize("dot", ["f32", "int8"])
@@ -651,7 +657,18 @@ def test_host_dot_combinations_refused_before_loading(prog, args):
     ("pijax.serve", ["--model=default", "--gate_sparse", "--host_weights=off"],
      ("--gate_sparse", "--host_weights=off")),
     ("pijax.serve", ["--model=default", "--gate_rule=contribution"],
-     ("--gate_rule", "--gate_sparse"))])
+     ("--gate_rule", "--gate_sparse")),
+    ("pijax.generate", ["--config=configs/smollm2_135m.py", "--gate_rule=gate", "--prompt=hi"],
+     ("--gate_rule", "--gate_sparse")),
+    ("pijax.serve", ["--model=default", "--gate_sparse", "--gate_rule=contribution"],
+     ("--gate_rule=contribution", "--calibration_file")),
+    ("pijax.serve", ["--model=default", "--gate_sparse", "--gate_rule=contribution",
+                     "--calibration_file=/nonexistent/cal.txt"], ("--calibration_file",)),
+    ("pijax.serve", ["--model=default", "--gate_sparse", "--gate_rule=contribution",
+                     "--sparse=oracle"], ("--gate_sparse / --gate_rule", "--sparse=oracle")),
+    ("pijax.perplexity", ["-m", "default", "-f", "../shared/data/tinyshakespeare/input.txt",
+                          "--gate_sparse", "--calibration_file=../shared/data/tinyshakespeare/"
+                          "input.txt"], ("--calibration_file", "evaluation text"))])
 def test_gate_flag_combinations_refused_before_loading(prog, args, names):
   """--gate_down without --gate_sparse, and --gate_sparse with --host_weights=off: one line
   naming the flags, exit 2, before the server listens (a tester found two lines, the first

@@ -81,6 +81,7 @@ def test_contribution_rule_on_host_weights(tmp_path, shared_dir):
   assert dec.last_passed[1] == pytest.approx(exact_passed[1], abs=0.05)
   gate, dense = bench.run(model, n_prompt=0, n_gen=4, reps=1, threads=1, interleave_dense=True)
   assert dec.contribution_cuts == cuts and gate["ffn_sparsity"] > 1 - 0.8 * exact_active
+  assert gate["mode"] == model.sparse_mode == "contribution"
   assert dense["ffn_sparsity"] == 0.0
   for rule, sparse in (("contribution", False), ("nope", True)):
     with pytest.raises(ConfigError, match="--gate_rule"):

@@ -58,7 +58,7 @@ class Backend(abc.ABC):
 
   @property
   def mode(self) -> str:
-    """FFN sparsity mode: "off" (dense), "oracle", "predictor" or "gate"."""
+    """FFN sparsity mode: "off" (dense), "oracle", "predictor", "gate" or "contribution"."""
     return "off"
 
   @property

@@ -225,7 +225,9 @@ class HostBackend(base.Backend):
 
   @property
   def mode(self) -> str:
-    return "off" if self.decoder.gate_cuts is None else "gate"
+    if self.decoder.gate_cuts is None:
+      return "off"
+    return "gate" if self.decoder.contribution_cuts is None else "contribution"
 
   @property
   def weights_format(self) -> str:
