@@ -308,9 +308,10 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
   (qkv_bias f32[L, E], q_norm, k_norm f32[L, H], post_attn_norm, post_ffn_norm f32[L, D]), each
   [L, 0] when the family has none; cache_k, cache_v: f32[L, b, S, K, H]; cos, sin: f32[n, t, R/2]
   RoPE tables, layer i using table rope_of[i]; windows: i64[L] (0: global attention).
-  Gate-first FFN (`gated_ffn`) when cuts (f32[L, 2]: gate, contribution) is not empty: down rows neuron-major in dt
-  ([L, F, ...] Q8_0 or Q4_1 arrays); layer i's fraction of neurons computed (down rows read) is written
-  to active[i], of neurons whose gate passed (up rows read) to passed[i].
+  Gate-first FFN (`gated_ffn`) when cuts (f32[L, 2]: gate, contribution) is not empty: down
+  rows neuron-major in dt ([L, F, ...] Q8_0 or Q4_1 arrays); layer i's fraction of neurons
+  computed (down rows read) is written to active[i], of neurons whose gate passed (up rows
+  read) to passed[i].
   (numba's disk cache keys this function on decoder.py only: after editing a kernel it calls
   in another file, clear host_ops/__pycache__/*.nb[ic].)"""
   rows = x.shape[0]
