@@ -539,16 +539,21 @@ class HostDecoder:
     contribution_cuts: float[L] >= 0, or None (zeros): a neuron that passes the gate keeps its
     down row only if |act(g, u)| reaches its layer's cut (`gated_ffn`'s contribution_cut).
 
-    down_format: the neuron-major down rows, re-quantized from the file's values: "q8_0"
-    (1.0625 bytes/weight; the default: SmolLM2 Q4_1 perplexity 27.09 against 26.99 dense) or
-    "q4_1" (0.625: 41% fewer bytes per active neuron, but a second 4-bit rounding: 28.45;
-    BUILD_NOTES.md, issue 11). Built on first use and when the format changes; the old rows
+    down_format: the neuron-major down rows: "file", a Q4_1 file's own blocks transposed,
+    nothing rounded again (`gated_ffn.FileDownRows`: 0.5 bytes/weight per active neuron plus
+    0.125 for the scales; HostOpError for other down formats); or re-quantized from the
+    file's values, "q8_0" (1.0625 bytes/weight; SmolLM2 Q4_1 perplexity 27.09 against 26.99
+    dense) or "q4_1" (0.625, but a second 4-bit rounding: 28.45; BUILD_NOTES.md, issue 11).
+    None: "file" where every layer's down projection is Q4_1, else "q8_0". Built on first use and when the format changes; the old rows
     are dropped first (never both held), so if building fails the sparse FFN is left off.
 
     Raises:
       HostOpError: cuts of the wrong count or value, an unknown format, a GeGLU model.
     """
-    down_format = qmatmul.Q8_0 if down_format is None else down_format
+    if down_format is None:  # The file's own blocks where it can (exact, fewest bytes read).
+      down_format = gated_lib.DOWN_FILE if all(
+          layer.down.kind == qmatmul.Q4_1 and layer.down.shape[0] % qmatmul.BLOCK == 0
+          for layer in self.layers) else qmatmul.Q8_0
     if down_format not in gated_lib.DOWN_KINDS:
       raise HostOpError(f"down_format must be one of {', '.join(gated_lib.DOWN_KINDS)}, got "
                         f"{down_format!r}")
@@ -571,13 +576,18 @@ class HostDecoder:
       quantize = qmatmul.quantize_q4_1 if down_format == qmatmul.Q4_1 else qmatmul.quantize_q8_0
       down_t, stacked_t = [], None
       for i, layer in enumerate(self.layers):  # One layer's f32 copy at a time.
-        w = quantize(np.ascontiguousarray(layer.down.dequantize().T))
+        if down_format == gated_lib.DOWN_FILE:
+          w = gated_lib.FileDownRows.from_down(layer.down)
+        else:
+          w = quantize(np.ascontiguousarray(layer.down.dequantize().T))
         if self._stacked is not None:  # Stacked for `_layers_kernel`; each layer views its slice.
           if i == 0:
             stacked_t = tuple(np.empty((self.n_layers,) + a.shape, a.dtype) for a in w.arrays)
           for stacked, a in zip(stacked_t, w.arrays):
             stacked[i] = a
-          w = qmatmul.QMatrix(down_format, tuple(a[i] for a in stacked_t))
+          views = tuple(a[i] for a in stacked_t)
+          w = gated_lib.FileDownRows(*views) if down_format == gated_lib.DOWN_FILE else \
+              qmatmul.QMatrix(down_format, views)
         down_t.append(w)
       self._down_t, self._stacked_down_t = down_t, stacked_t
     self.gate_cuts = cuts
@@ -599,7 +609,7 @@ class HostDecoder:
 
   @property
   def down_format(self) -> str | None:
-    """The format of the neuron-major down rows built ("q4_1" | "q8_0"; kept while the sparse
+    """The format of the neuron-major down rows built ("q4_1" | "q8_0" | "file"; kept while the sparse
     FFN is off), None before any."""
     return None if self._down_t is None else self._down_t[0].kind
 
@@ -643,11 +653,13 @@ class HostDecoder:
     if passed_fraction is None:
       active_sum, passed_sum = self.read_sums
       passed_fraction = active_fraction * (passed_sum / active_sum if active_sum > 0 else 1.0)
-    per_block = 20 if self._down_t is not None and self._down_t[0].kind == qmatmul.Q4_1 else 34
-    down_t = sum(layer.down.shape[0] * layer.down.shape[1] // 32 * per_block
-                 for layer in self.layers)
+    kind = None if self._down_t is None else self._down_t[0].kind
+    # Bytes per 32 down weights: read per active neuron, and read whatever the sparsity (the
+    # file layout's d and m of every neuron block).
+    per_block, fixed = {qmatmul.Q4_1: (20, 0), gated_lib.DOWN_FILE: (16, 4)}.get(kind, (34, 0))
+    blocks = sum(layer.down.shape[0] * layer.down.shape[1] // 32 for layer in self.layers)
     return int(sum(layer.gate.file_bytes() + passed_fraction * layer.up.file_bytes()
-                   for layer in self.layers) + active_fraction * down_t)
+                   for layer in self.layers) + (active_fraction * per_block + fixed) * blocks)
 
   # ------------------------------------------------------------------------- forward
   def _norm(self, x: np.ndarray, scale: np.ndarray) -> np.ndarray:

@@ -15,10 +15,11 @@ only neurons it marks active read their up row and their down row:
                  |act(g, u)| >= c_l, so its up row is read but its down row may not be
                  (`contribution_cut`; SwiGLU's cut 0 then reads every up row).
 
-The down projection is read neuron-major (`down_t`: row i = neuron i's output weights), so it is
-stored re-quantized from the file's values (the file's down blocks run along the neuron axis,
-where skipping cannot save bytes): Q8_0 (34 bytes per 32 weights), or Q4_1 (20, the bytes of a
-4-bit file). Q4_1 rows with dot "int8" are added GROUP at a time in integers
+The down projection is read neuron-major (`down_t`: row i = neuron i's output weights). The
+file's blocks run along the neuron axis, so either the rows are re-quantized from the file's
+values, Q8_0 (34 bytes per 32 weights) or Q4_1 (20, the bytes of a 4-bit file), or a Q4_1
+file's own codes are transposed and its scales kept per block of 32 neurons (`FileDownRows`:
+16 bytes per 32 weights of an active neuron plus 4 always, nothing rounded twice). Q4_1 rows with dot "int8" are added GROUP at a time in integers
 (`_add_group_q4_1`): per block of 32 outputs the GROUP coefficients a_k d_k[b] are quantized
 to 8 bits (scale max|c| / 127, as llama.cpp quantizes an activation block), multiplied with the
 rows' 4-bit codes by `vpmaddubsw` (pairs of rows interleaved byte by byte), summed in i16 and
@@ -76,8 +77,10 @@ def _active_ids(g, cut, code):
   return ids, counts
 
 
-# Formats of the neuron-major down rows.
-DOWN_KINDS = (qmatmul.Q8_0, qmatmul.Q4_1)
+# Formats of the neuron-major down rows: re-quantized Q8_0 or Q4_1 rows, or the file's own Q4_1
+# blocks transposed without rounding (`FileDownRows`).
+DOWN_FILE = "file"
+DOWN_KINDS = (qmatmul.Q8_0, qmatmul.Q4_1, DOWN_FILE)
 
 # Neurons ahead whose whole rows (codes and scales) a thread prefetches in each pass.
 AHEAD = 3
@@ -302,6 +305,229 @@ def _prefetch_q4_1(ids, j, hi, qs, dd, mm):
   _prefetch_at(ids, j, hi, mm)
 
 
+# ---------------------------------------------------------------- the file's blocks, transposed
+# A Q4_1 down matrix W[D, F] holds per output o and block of 32 neurons b the scale d[o, b], the
+# offset m[o, b] and 4-bit codes q[o, n]. `FileDownRows` keeps exactly these, neuron-major:
+# codes u8[F, D/2] (neuron n's codes for every output, packed as Q4_1 packs a block of 32
+# outputs: low nibbles outputs 0..15, high 16..31) and dm u16[F/32, 2, D] (d and m of neuron
+# block b for every output, f16 bits). Then for the active neurons S_b of block b
+#   sum_{n in S_b} a_n W[o, n] = d[o, b] sum_{n in S_b} a_n q[o, n] + m[o, b] sum_{n in S_b} a_n,
+# so an inactive neuron's codes (16 of the file's 20 bytes per 32 weights) are never read, and
+# nothing is rounded twice. With dot "int8" the activations are quantized per block of 32
+# neurons as the dense down matvec quantizes them (`qdot.quantize_x`), so the sum is in integers
+# and sparse equals dense with the inactive neurons zeroed up to f32 summation order.
+
+
+@intrinsic
+def _add_block_file(typingctx, acc, qs, ids, cq, n_pairs, dm, scale, offset):
+  """acc[o] += d[o] * scale * sum_k cq[k] * code(qs[ids[k]], o) + m[o] * offset for every
+  output o, over the rows k < 2 n_pairs of one neuron block (AVX2 + F16C). acc: f32[D]; qs:
+  u8[F, D/2]; ids: i64[32] (padding: any row, with cq 0); cq: i8[32]; n_pairs: i64 (1..16);
+  dm: u16[2, D] (the block's d and m, f16 bits); scale, offset: f32.
+  Per 32 outputs, rows 2p and 2p + 1 are interleaved byte by byte, then the low nibbles
+  (outputs 0..15) and high nibbles (16..31) each go through one `vpmaddubsw` with the pair
+  (cq[2p], cq[2p + 1]); up to 8 pairs add in i16 (at most 8 * 2 * 15 * 127), then in i32,
+  and the scales are applied once per block."""
+  sig = types.void(acc, qs, ids, cq, n_pairs, dm, scale, offset)
+
+  def codegen(context, builder, signature, args):
+    accp, qsp, idp, cqp, dmp = (context.make_array(signature.args[k])(context, builder,
+                                                                       args[k]) for k in
+                                (0, 1, 2, 3, 5))
+    half = builder.extract_value(qsp.shape, 1)
+    dim = builder.extract_value(dmp.shape, 1)
+    accp, qsp, idp, cqp, dmp = (a.data for a in (accp, qsp, idp, cqp, dmp))
+    nc = builder.udiv(half, ir.Constant(half.type, 16))
+    vec = qdot._vec
+    v32, v16 = vec(_I8, 32), vec(_I16, 16)
+    maddubs = qdot._x86(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v32, v32])
+    # Before the loop: the 32 row pointers and the 16 pairs' coefficient vectors.
+    rows_p = cgutils.alloca_once(builder, qsp.type, size=ir.Constant(_I32, 32))
+    coefs_p = cgutils.alloca_once(builder, v32, size=ir.Constant(_I32, 16))
+    for k in range(32):
+      row = builder.gep(qsp, [builder.mul(builder.load(builder.gep(idp, [ir.Constant(_I64, k)])),
+                                          half)])
+      builder.store(row, builder.gep(rows_p, [ir.Constant(_I32, k)]))
+    for p in range(16):
+      c0, c1 = (builder.zext(builder.load(builder.gep(cqp, [ir.Constant(_I64, k)])), _I16)
+                for k in (2 * p, 2 * p + 1))
+      builder.store(builder.bitcast(_splat(builder, builder.or_(c0, builder.shl(c1, ir.Constant(
+          _I16, 8))), _I16, 16), v32), builder.gep(coefs_p, [ir.Constant(_I32, p)]))
+    scale_v = _splat(builder, args[6], _F32, 16)
+    offset_v = _splat(builder, args[7], _F32, 16)
+    low = ir.Constant(v32, [15] * 32)
+    pair_mask = ir.Constant(vec(_I32, 32), [x for j in range(16) for x in (j, 16 + j)])
+    i32_p = [cgutils.alloca_once(builder, vec(_I32, 16)) for _ in range(2)]
+    i16_p = [cgutils.alloca_once(builder, v16) for _ in range(2)]
+    n_pairs = args[4]
+    # Pairs [0, min(n, 8)) and then [8, n): at most 8 pairs add in i16 (8 * 2 * 15 * 127).
+    spans = [(ir.Constant(n_pairs.type, 0), builder.select(
+        builder.icmp_signed("<", n_pairs, ir.Constant(n_pairs.type, 8)), n_pairs,
+        ir.Constant(n_pairs.type, 8))),
+             (ir.Constant(n_pairs.type, 8), n_pairs)]
+    with cgutils.for_range(builder, nc) as loop:
+      c = loop.index
+      off = builder.mul(c, ir.Constant(c.type, 16))
+      for h in range(2):
+        builder.store(ir.Constant(vec(_I32, 16), [0] * 16), i32_p[h])
+      for first, stop in spans:
+        for h in range(2):
+          builder.store(ir.Constant(v16, [0] * 16), i16_p[h])
+        with cgutils.for_range_slice(builder, first, stop, ir.Constant(n_pairs.type, 1)) as (pair, _):
+          raw = [qdot._load(builder, builder.load(builder.gep(rows_p, [builder.add(
+              builder.mul(pair, ir.Constant(pair.type, 2)), ir.Constant(pair.type, k))])), off,
+              vec(_I8, 16)) for k in (0, 1)]
+          inter = builder.shuffle_vector(raw[0], raw[1], pair_mask)  # a0 b0 a1 b1 ... a15 b15
+          coef = builder.load(builder.gep(coefs_p, [pair]))
+          for h, codes in enumerate((builder.and_(inter, low),
+                                     builder.and_(builder.lshr(inter, ir.Constant(v32, [4] * 32)),
+                                                  low))):
+            builder.store(builder.add(builder.load(i16_p[h]), builder.call(maddubs, [codes, coef])),
+                          i16_p[h])
+        for h in range(2):
+          builder.store(builder.add(builder.load(i32_p[h]), builder.sext(
+              builder.load(i16_p[h]), vec(_I32, 16))), i32_p[h])
+      for h in range(2):
+        o = builder.add(builder.mul(c, ir.Constant(c.type, 32)), ir.Constant(c.type, 16 * h))
+        d = qblocks._half_to_float(builder, qdot._load(builder, dmp, o, vec(_I16, 16)))
+        m = qblocks._half_to_float(builder, qdot._load(builder, dmp, builder.add(dim, o),
+                                                       vec(_I16, 16)))
+        isum = builder.sitofp(builder.load(i32_p[h]), vec(_F32, 16))
+        part = builder.fadd(builder.fmul(isum, builder.fmul(d, scale_v)),
+                            builder.fmul(m, offset_v))
+        ptr = builder.bitcast(builder.gep(accp, [o]), vec(_F32, 16).as_pointer())
+        builder.store(builder.fadd(builder.load(ptr, align=4), part), ptr, align=4)
+    return context.get_dummy_value()
+
+  return sig, codegen
+
+
+FILE_AHEAD = 32  # Neurons ahead in a thread's list whose rows `_down_threads_file_int8` prefetches.
+
+
+@numba.njit(parallel=True, **_common._JIT)
+def _down_threads_file_int8(acts, ids, counts, qs, dm, partials, n_threads):
+  """The down pass over `FileDownRows` in integers: acts quantized per block of 32 neurons
+  (`qdot.quantize_x`), then each thread walks its contiguous share of a row's nonzero list one
+  neuron block at a time (`_add_block_file`; an odd count is padded with coefficient 0 on a
+  row already read). The next block's rows are prefetched while one is added."""
+  xq, dx, _ = qdot.quantize_x(acts)
+  blk_n = qmatmul.BLOCK
+  for t in numba.prange(n_threads):
+    ids32 = np.empty(blk_n, np.int64)
+    cq = np.empty(blk_n, np.int8)
+    for r in range(acts.shape[0]):
+      lo = t * counts[r] // n_threads
+      hi = (t + 1) * counts[r] // n_threads
+      for j in range(lo, min(lo + FILE_AHEAD, hi)):
+        _prefetch_at(ids[r], j, hi, qs)
+      j = lo
+      while j < hi:
+        blk = ids[r, j] // blk_n
+        if blk + 2 < dm.shape[0]:  # The scales two blocks ahead (rows: FILE_AHEAD ahead).
+          _common.prefetch_row(dm[blk + 2, 0])
+          _common.prefetch_row(dm[blk + 2, 1])
+        n = 0
+        isum = 0
+        while j + n < hi and ids[r, j + n] // blk_n == blk:
+          ids32[n] = ids[r, j + n]
+          cq[n] = xq[r, ids32[n]]
+          isum += np.int32(cq[n])
+          _prefetch_at(ids[r], j + n + FILE_AHEAD, hi, qs)
+          n += 1
+        if n % 2:
+          ids32[n] = ids32[0]
+          cq[n] = 0
+        _add_block_file(partials[t, r], qs, ids32, cq, np.int64((n + 1) // 2), dm[blk], dx[r, blk],
+                        dx[r, blk] * np.float32(isum))
+        j += n
+
+
+@numba.njit(parallel=True, **_common._JIT)
+def _down_threads_file(acts, ids, counts, qs, dm, partials, n_threads):
+  """The down pass over `FileDownRows` in f32 (exact activations; the reference path where
+  qdot.AVAILABLE is False): acc[o] += a * (d[o, b] q[o, n] + m[o, b]), one neuron at a time."""
+  half = qs.shape[1]
+  for t in numba.prange(n_threads):
+    for r in range(acts.shape[0]):
+      lo = t * counts[r] // n_threads
+      hi = (t + 1) * counts[r] // n_threads
+      acc = partials[t, r]
+      for j in range(lo, hi):
+        i = ids[r, j]
+        a = acts[r, i]
+        row = qs[i]
+        d = dm[i // qmatmul.BLOCK, 0]
+        m = dm[i // qmatmul.BLOCK, 1]
+        for c in range(half // 16):
+          for k in range(16):
+            o = 32 * c + k
+            acc[o] += a * (qblocks.f16_to_f32(d[o]) * np.float32(row[16 * c + k] & 15) +
+                           qblocks.f16_to_f32(m[o]))
+            o += 16
+            acc[o] += a * (qblocks.f16_to_f32(d[o]) * np.float32(row[16 * c + k] >> 4) +
+                           qblocks.f16_to_f32(m[o]))
+
+
+class FileDownRows:
+  """The file's Q4_1 down matrix [D, F] held neuron-major without re-rounding (the comment
+  above `_add_group_file`): codes u8[F, D/2] and dm u16[F/32, 2, D] (f16 bits of d and m).
+
+  Bytes: 16 per 32 weights of each active neuron plus 4 per 32 weights always (the scales),
+  against 20 per 32 dense: skipping 48% of the neurons saves 38% of the down bytes, where
+  re-quantized Q8_0 rows (34 bytes) save 12%.
+
+  Attributes: kind ("file"), arrays ((codes, dm)), shape ((F, D): neurons, outputs).
+  """
+
+  kind = DOWN_FILE
+
+  def __init__(self, codes: np.ndarray, dm: np.ndarray):
+    codes, dm = np.ascontiguousarray(codes), np.ascontiguousarray(dm)
+    if (codes.dtype != np.uint8 or dm.dtype != np.uint16 or codes.ndim != 2 or dm.ndim != 3
+        or codes.shape[0] % qmatmul.BLOCK or codes.shape[1] % 16
+        or dm.shape != (codes.shape[0] // qmatmul.BLOCK, 2, 2 * codes.shape[1])
+        or codes.size == 0):
+      raise HostOpError(f"file down rows need codes u8[F, D/2] and dm u16[F/32, 2, D] with F "
+                        f"and D multiples of 32, got {codes.dtype}{list(codes.shape)} and "
+                        f"{dm.dtype}{list(dm.shape)}")
+    self.arrays = (codes, dm)
+    self.shape = (codes.shape[0], 2 * codes.shape[1])
+
+  @classmethod
+  def from_down(cls, down: qmatmul.QMatrix) -> "FileDownRows":
+    """From the file's down projection W: Q4_1 [D, F] (D outputs, F neurons).
+
+    Raises:
+      HostOpError: W is not Q4_1, or D is not a multiple of 32.
+    """
+    if down.kind != qmatmul.Q4_1 or down.shape[0] % qmatmul.BLOCK:
+      raise HostOpError(f"--gate_down=file needs a Q4_1 down projection with a multiple of 32 "
+                        f"outputs; this one is {down.kind} {list(down.shape)}: use "
+                        f"--gate_down=q8_0 or q4_1")
+    qs, d, m = down.arrays
+    dim, f = down.shape
+    raw = qs.reshape(dim, f // qmatmul.BLOCK, 16)
+    codes = np.concatenate([raw & 15, raw >> 4], axis=2).reshape(dim, f)  # [D, F], 0..15.
+    codes_t = codes.T.reshape(f, dim // qmatmul.BLOCK, 2, 16)  # Per 32 outputs: low, high.
+    packed = (codes_t[:, :, 0, :] | (codes_t[:, :, 1, :] << 4)).reshape(f, dim // 2)
+    return cls(packed.astype(np.uint8), np.stack([d.T, m.T], axis=1))
+
+  def dequantize(self) -> np.ndarray:
+    """f64[F, D]: the weights, neuron-major (W.T of the file's values)."""
+    codes, dm = self.arrays
+    f, dim = self.shape
+    raw = codes.reshape(f, dim // qmatmul.BLOCK, 16).astype(np.float64)
+    q = np.concatenate([raw % 16, raw // 16], axis=2).reshape(f, dim)
+    dv = qmatmul.f16_values(dm[:, 0]).astype(np.float64)  # [F/32, D]
+    mv = qmatmul.f16_values(dm[:, 1]).astype(np.float64)
+    return q * np.repeat(dv, qmatmul.BLOCK, axis=0) + np.repeat(mv, qmatmul.BLOCK, axis=0)
+
+  @property
+  def nbytes(self) -> int:
+    return sum(a.nbytes for a in self.arrays)
+
+
 def _down_rows(acts, ids, counts, dt, partials, n_threads, block, int8):
   """Adds the down rows of the nonzero activations into partials (numba only; the overload
   picks the kernel of dt's format: (q, d) Q8_0 or (qs, d, m) Q4_1)."""
@@ -310,6 +536,18 @@ def _down_rows(acts, ids, counts, dt, partials, n_threads, block, int8):
 
 @numba_extending.overload(_down_rows, jit_options=_common._JIT)
 def _down_rows_overload(acts, ids, counts, dt, partials, n_threads, block, int8):
+  if len(dt) == 2 and dt[1].ndim == 3:  # FileDownRows: (codes, dm u16[F/32, 2, D]).
+    if not qdot.AVAILABLE:
+      def file_f32(acts, ids, counts, dt, partials, n_threads, block, int8):
+        _down_threads_file(acts, ids, counts, dt[0], dt[1], partials, n_threads)
+      return file_f32
+
+    def file(acts, ids, counts, dt, partials, n_threads, block, int8):
+      if int8:
+        _down_threads_file_int8(acts, ids, counts, dt[0], dt[1], partials, n_threads)
+      else:
+        _down_threads_file(acts, ids, counts, dt[0], dt[1], partials, n_threads)
+    return file
   if len(dt) == 2:
     def q8_0(acts, ids, counts, dt, partials, n_threads, block, int8):
       _down_threads(acts, ids, counts, dt[0], dt[1], partials, n_threads, block)
@@ -330,6 +568,18 @@ def _down_rows_overload(acts, ids, counts, dt, partials, n_threads, block, int8)
   return q4_1
 
 
+def _down_dim(dt, block):
+  """D, the outputs of neuron-major down rows dt (numba only)."""
+  raise NotImplementedError("_down_dim runs inside numba-compiled code only")
+
+
+@numba_extending.overload(_down_dim, jit_options=_common._JIT)
+def _down_dim_overload(dt, block):
+  if len(dt) == 2 and dt[1].ndim == 3:
+    return lambda dt, block: dt[1].shape[2]
+  return lambda dt, block: dt[1].shape[1] * block
+
+
 @numba.njit(**_common._JIT)
 def _down_pass(acts, dt, n_threads, block, int8):
   """Pass 2: y[r] = sum over i with acts[r, i] != 0 of acts[r, i] * down_t[i]; returns (y, counts).
@@ -339,7 +589,7 @@ def _down_pass(acts, dt, n_threads, block, int8):
   four at a time (`_add_rows4_q8_0`) then the rest one by one, Q4_1 rows four at a time (f32) or
   GROUP at a time (int8: integer products on quantized coefficients)."""
   b, f = acts.shape
-  dim = dt[1].shape[1] * block
+  dim = _down_dim(dt, block)
   ids = np.empty((b, f), np.int32)
   counts = np.zeros(b, np.int64)
   for r in range(b):
@@ -503,7 +753,8 @@ def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
   Args:
     g: f32[b, F] gate pre-activations (gate . h, computed densely by the caller).
     h: f32[b, D] the FFN input (after ffn_norm).
-    up: [F, D] Q4_1 or Q8_0; down_t: [F, D] Q8_0 or Q4_1, neuron-major.
+    up: [F, D] Q4_1 or Q8_0; down_t: [F, D] neuron-major, Q8_0 or Q4_1 QMatrix rows or
+      `FileDownRows`.
     cut: SwiGLU: minimum |silu(g)| of an active neuron (>= 0); ignored by ReLU families.
     family: "swiglu" | "reglu" | "drelu".
     dot: "f32", or "int8": up . h on h quantized per block of 32 (`host_ops.qdot`), and Q4_1
@@ -569,9 +820,20 @@ def down_reference(acts, down_t: qmatmul.QMatrix, *, dot: str = qmatmul.DOT_F32,
   acts: f32[b, F]. For Q4_1 rows with dot "int8" (where qdot.AVAILABLE) the coefficients are
   quantized as the kernel does: groups of GROUP consecutive nonzero neurons within each of
   n_threads (default: the host's) contiguous shares of a row's list, f32 arithmetic; a block
-  whose largest coefficient is below TINY adds nothing.
+  whose largest coefficient is below TINY adds nothing. For `FileDownRows` with dot "int8"
+  the activations are quantized per block of 32 neurons (`qdot.quantize_x_reference`), as the
+  dense down matvec does.
   """
   acts = np.asarray(acts, np.float32)
+  if down_t.kind == DOWN_FILE:
+    if dot == qmatmul.DOT_INT8 and qdot.AVAILABLE:
+      xq, dx, _ = qdot.quantize_x_reference(acts)
+      b, f = acts.shape
+      x = (xq.reshape(b, f // qmatmul.BLOCK, qmatmul.BLOCK).astype(np.float64) *
+           dx[..., None]).reshape(b, f)
+    else:
+      x = acts.astype(np.float64)
+    return (x @ down_t.dequantize()).astype(np.float32)
   if not (down_t.kind == qmatmul.Q4_1 and dot == qmatmul.DOT_INT8 and qdot.AVAILABLE):
     return (acts.astype(np.float64) @ qmatmul.dequantize_reference(down_t)).astype(np.float32)
   n_threads = n_threads or _common.ensure_host_threads()

@@ -577,7 +577,7 @@ class DownPassRow:
   shape: str
   rows: int  # F: neurons (rows of the neuron-major matrix)
   cols: int  # D: hidden size
-  format: str  # "q8_0" | "q4_1"
+  format: str  # "q8_0" | "q4_1" | "file" (the file's Q4_1 blocks transposed)
   dot: str  # "f32" | "int8" (Q4_1: integer products on quantized coefficients)
   active: float  # fraction of the F rows read
   time_s: float  # median seconds per call
@@ -614,9 +614,16 @@ def run_down_pass(opts: Options, read_gb_s: float | None, log=None) -> list[Down
                                  seed=opts.seed)["time_s"] for dot in dots}
     del dense
     for fmt in gated_ffn.DOWN_KINDS:
-      per_row = (d // 32) * (20 if fmt == qmatmul.Q4_1 else 34)
-      copies = max(1, min(math.ceil(cold / (n * per_row)), int(opts.max_bytes // (n * per_row))))
-      mats = matvec_copies(n, d, fmt, copies, opts.seed)
+      # Bytes per active row, and bytes read whatever the active set (the file layout's scales).
+      per_row = (d // 32) * {qmatmul.Q4_1: 20, gated_ffn.DOWN_FILE: 16}.get(fmt, 34)
+      fixed = n * d // 8 if fmt == gated_ffn.DOWN_FILE else 0
+      size = n * per_row + fixed
+      copies = max(1, min(math.ceil(cold / size), int(opts.max_bytes // size)))
+      if fmt == gated_ffn.DOWN_FILE:  # The file's [D, F] Q4_1 blocks, transposed.
+        mats = [gated_ffn.FileDownRows.from_down(w) for w in
+                matvec_copies(d, n, qmatmul.Q4_1, copies, opts.seed)]
+      else:
+        mats = matvec_copies(n, d, fmt, copies, opts.seed)
       for active in DOWN_ACTIVE:
         k = max(1, round(active * n))
         acts = np.zeros((1, n), np.float32)
@@ -625,11 +632,11 @@ def run_down_pass(opts: Options, read_gb_s: float | None, log=None) -> list[Down
           t = _time_calls(lambda i: gated_ffn._down_pass(
               acts, mats[i].arrays, opts.threads, np.int64(qmatmul.BLOCK),
               dot == qmatmul.DOT_INT8), len(mats), opts.seconds)
-          gb_s = k * per_row / t / 1e9
+          gb_s = (k * per_row + fixed) / t / 1e9
           row = DownPassRow(shape=name, rows=n, cols=d, format=fmt, dot=dot, active=k / n,
                             time_s=t, g_weights_s=k * d / t / 1e9, gb_s=gb_s,
                             dense_time_s=dense_t[dot], vs_dense=dense_t[dot] / t,
-                            copies=len(mats), from_dram=copies * n * per_row >= cold,
+                            copies=len(mats), from_dram=copies * size >= cold,
                             vs_bandwidth=gb_s / read_gb_s if read_gb_s else None)
           out.append(row)
           log(f"  down pass {fmt} {dot} {name} {active:.0%}: {_fmt_time(t)}, "
@@ -1038,8 +1045,8 @@ if __name__ == "__main__":
   flags.DEFINE_boolean("matvec", True, "Run the dense decode matvec table (host: q4_1 and q8_0 "
                        "blocks, f32 and int8 dots).")
   flags.DEFINE_boolean("down_pass", True, "Run the sparse down-pass table (host: neuron-major "
-                       "q8_0 and q4_1 rows at 25/50/100% active, against the dense Q4_1 down "
-                       "matvec).")
+                       "q8_0 and q4_1 rows and the file's Q4_1 blocks transposed, at 25/50/100% "
+                       "active, against the dense Q4_1 down matvec).")
   flags.DEFINE_boolean("bandwidth", True, "Measure the memory read bandwidth (a pass over "
                        "--cold_mb of memory, default 2.3 x L3) and print it on the machine line.")
   cli.run(main, "pijax.bench_ops")

@@ -64,10 +64,11 @@ GATE_SPARSITY = flags.DEFINE_float("gate_sparsity", None, "SwiGLU with --gate_sp
 CALIBRATION_FILE = flags.DEFINE_string("calibration_file", None, "Text to calibrate "
                                        "--gate_sparse cuts on (not the evaluation text).")
 GATE_DOWN = flags.DEFINE_enum(
-    "gate_down", None, ["q8_0", "q4_1"], "With --gate_sparse: the format of the neuron-major "
-    "down rows, re-quantized from the file's values: q8_0 (the default; close to the file) or "
-    "q4_1 (41% fewer bytes per active neuron, a second 4-bit rounding: SmolLM2 perplexity "
-    "+5%).")
+    "gate_down", None, ["q8_0", "q4_1", "file"], "With --gate_sparse: the format of the "
+    "neuron-major down rows: file (the default for Q4_1 files: the file's own blocks "
+    "transposed, exact, 16 bytes per 32 weights of an active neuron plus 4 for the scales), "
+    "or re-quantized from the file's values: q8_0 (the default for other files; close to the "
+    "file) or q4_1 (a second 4-bit rounding: SmolLM2 perplexity +5%).")
 
 GATE_RULE = flags.DEFINE_enum(
     "gate_rule", None, ["gate", "contribution"], "With --gate_sparse: what the calibrated cuts "

@@ -224,14 +224,16 @@ def test_cli_matvec_table():
   for r in doc["matvec"]:
     assert r["g_weights_s"] > 0 and r["vs_bandwidth"] > 0
     assert (r["rows"], r["cols"]) == ((1536, 576) if r["matrix"] == "gate" else (576, 1536))
-  # The sparse down pass: neuron-major rows of both formats at each active fraction, each with
-  # the dense Q4_1 down matvec's time and the ratio; bytes count only the active rows.
+  # The sparse down pass: neuron-major rows of every format at each active fraction, each with
+  # the dense Q4_1 down matvec's time and the ratio; bytes count the active rows (and the file
+  # layout's scales, read whatever the active set).
   got = [(r["format"], r["dot"]) for r in doc["down_pass"]]
-  assert got == [(f, d) for f in ("q8_0", "q4_1") for _ in bo.DOWN_ACTIVE for d in dots]
+  assert got == [(f, d) for f in ("q8_0", "q4_1", "file") for _ in bo.DOWN_ACTIVE for d in dots]
   for r in doc["down_pass"]:
     assert (r["rows"], r["cols"]) == (1536, 576) and 0 < r["active"] <= 1
-    per_row = 576 // 32 * (20 if r["format"] == "q4_1" else 34)
-    assert r["gb_s"] == pytest.approx(r["active"] * 1536 * per_row / r["time_s"] / 1e9)
+    per_row = 576 // 32 * {"q4_1": 20, "file": 16}.get(r["format"], 34)
+    fixed = 1536 * 576 // 8 if r["format"] == "file" else 0
+    assert r["gb_s"] == pytest.approx((r["active"] * 1536 * per_row + fixed) / r["time_s"] / 1e9)
     assert r["vs_dense"] == pytest.approx(r["dense_time_s"] / r["time_s"])
     assert r["vs_bandwidth"] > 0
   assert sorted({r["active"] for r in doc["down_pass"]}) == list(bo.DOWN_ACTIVE)

@@ -424,7 +424,8 @@ def test_decoder_gated_matches_reference(family, dot):
   gate = sum(layer.gate.file_bytes() for layer in dec.layers)
   up = sum(layer.up.file_bytes() for layer in dec.layers)
   weights = sum(layer.down.shape[0] * layer.down.shape[1] for layer in dec.layers)
-  assert dec.down_format == "q8_0"  # The default: 34 bytes per 32 weights.
+  assert dec.down_format == "file"  # The default for Q4_1 down projections.
+  dec.enable_gated(dec.gate_cuts, down_format="q8_0")  # 34 bytes per 32 weights.
   down_t = weights // 32 * 34
   assert dec.ffn_bytes_per_token(0.25, 0.5) == pytest.approx(gate + 0.5 * up + 0.25 * down_t,
                                                              abs=1)
@@ -728,3 +729,123 @@ def test_down_pass_with_tiny_coefficients_stays_finite():
     else:
       np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
       assert np.linalg.norm(y - exact) <= 3e-2 * np.linalg.norm(exact)
+
+
+@pytest.mark.parametrize("dot", ["f32", "int8"])
+@pytest.mark.parametrize("f,dim,b", [(96, 64, 3), (160, 96, 2)])
+def test_file_down_rows_match_reference_and_dense(dot, f, dim, b):
+  """`FileDownRows` (the file's Q4_1 down blocks, transposed) hold exactly the file's weights,
+  and the down pass over them on random blocks (empty, single, partial with odd counts per
+  neuron block, full) equals the float64 reference and the *dense* down matvec of the same
+  activations (`qdot.matmul_reference` for int8: activations quantized per block of 32
+  neurons as the dense kernel does; the exact product for f32): nothing is rounded twice."""
+  from host_ops import gated_ffn
+  rng = np.random.default_rng(17)
+  down = qmatmul.quantize_q4_1(rng.standard_normal((dim, f)).astype(np.float32))  # W [D, F]
+  rows = gated_ffn.FileDownRows.from_down(down)
+  assert rows.shape == (f, dim) and rows.kind == "file"
+  file_w = qmatmul.dequantize_reference(down)  # f64 [D, F], the file's values.
+  np.testing.assert_array_equal(rows.dequantize(), file_w.T)
+  assert rows.nbytes == sum(a.nbytes for a in down.arrays)  # The file's bytes, no more.
+  for frac in (0.0, "single", 0.37, 1.0):
+    acts = rng.standard_normal((b, f)).astype(np.float32)
+    if frac == "single":
+      keep = np.zeros((b, f), bool)
+      keep[:, f // 3] = True
+    else:
+      keep = rng.random((b, f)) < frac
+    acts = np.where(keep, acts, np.float32(0.0))
+    y, counts = gated_ffn._down_pass(acts, rows.arrays, 2, np.int64(32), dot == "int8")
+    np.testing.assert_array_equal(counts, keep.sum(axis=1))
+    ref = gated_ffn.down_reference(acts, rows, dot=dot)
+    scale = max(1.0, np.abs(ref).max())
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * scale)
+    if dot == "int8" and qdot.AVAILABLE:
+      dense = qdot.matmul_reference("q4_1", down.arrays, acts)
+    else:
+      dense = acts.astype(np.float64) @ file_w.T
+    np.testing.assert_allclose(y, dense, rtol=1e-5, atol=1e-5 * scale)
+    if frac == 0.0:
+      assert (y == 0).all()
+
+
+def test_file_down_rows_refuse_other_formats():
+  from host_ops import gated_ffn
+  rng = np.random.default_rng(3)
+  with pytest.raises(HostOpError, match="--gate_down=file needs a Q4_1"):
+    gated_ffn.FileDownRows.from_down(_random_matrix(rng, "q8_0", 64, 96))
+  with pytest.raises(HostOpError, match="file down rows need"):
+    gated_ffn.FileDownRows(np.zeros((96, 32), np.uint8), np.zeros((3, 2, 32), np.uint16))
+
+
+@pytest.mark.parametrize("family,cut,ccut", [("swiglu", 0.05, 0.0), ("swiglu", 0.0, 0.3),
+                                             ("drelu", 0.0, 0.0), ("swiglu", 0.0, 1e9)])
+@pytest.mark.parametrize("dot", ["f32", "int8"])
+def test_gated_ffn_with_file_rows_matches_reference(family, cut, ccut, dot):
+  """The gate-first FFN with `FileDownRows` on random blocks against the float64 reference:
+  the gate rule, the contribution rule, exact dReLU and the empty set."""
+  from host_ops import gated_ffn
+  rng = np.random.default_rng(19)
+  up = _random_matrix(rng, "q4_1", 96, 64)
+  rows = gated_ffn.FileDownRows.from_down(_random_matrix(rng, "q4_1", 64, 96))
+  h = rng.standard_normal((3, 64)).astype(np.float32)
+  g = rng.standard_normal((3, 96)).astype(np.float32)
+  y, active, passed = gated_ffn.gated_ffn(g, h, up, rows, cut=cut, family=family, dot=dot,
+                                          contribution_cut=ccut)
+  ref, ref_active, ref_passed = gated_ffn.gated_ffn_reference(
+      g, h, up, rows, cut=cut, family=family, dot=dot, contribution_cut=ccut)
+  np.testing.assert_array_equal(active, ref_active)
+  np.testing.assert_array_equal(passed, ref_passed)
+  np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(ref).max()))
+  if ccut >= 1e9:
+    assert (active == 0).all() and (y == 0).all()
+  else:
+    assert (active > 0).all() and (active < 96).all()
+
+
+@pytest.mark.parametrize("dot", ["f32", "int8"])
+def test_decoder_with_file_rows(dot):
+  """`enable_gated(down_format="file")`: the decoder with calibrated contribution cuts equals
+  the float64 reference decoder with the same masks (prefill then decode), the one-call layer
+  loop the per-layer loop; with every cut 0 (nothing skipped) it equals the dense decoder;
+  bytes count 16 per 32 weights of an active neuron plus 4; Q8_0 weights are refused."""
+  rng = np.random.default_rng(5)
+  dec = _tiny_decoder(rng, "q4_1", adjacent=True, family="swiglu", dot=dot)
+  tokens = rng.integers(0, 50, 9)
+
+  def run():
+    cid = dec.new_cache(1, 16)
+    got = [dec.forward(cid, tokens[None, :6], 0)]
+    got += [dec.forward(cid, tokens[None, i:i + 1], i) for i in range(6, 9)]
+    return np.concatenate(got)
+
+  dense = run()
+  dec.enable_gated([0.0, 0.0], down_format="file")
+  assert dec.down_format == "file"
+  np.testing.assert_allclose(run(), dense, rtol=1e-5, atol=1e-5 * np.abs(dense).max())
+  assert (dec.last_active == 1.0).all()
+  ccuts = dec.calibrate_gate_cuts([rng.integers(0, 50, 12) for _ in range(3)], 0.5,
+                                  contribution=True)
+  dec.enable_gated([0.0, 0.0], down_format="file", contribution_cuts=ccuts)
+  ref = decoder_lib.decoder_reference(dec, tokens)
+  runs = []
+  for stacked in (dec._stacked, None):
+    dec._stacked = stacked
+    runs.append(run())
+    assert 0.2 < dec.last_active.mean() < 0.8
+    _assert_logits_match(runs[-1], ref, dec.dot)
+  np.testing.assert_allclose(runs[0], runs[1], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+  gate = sum(layer.gate.file_bytes() for layer in dec.layers)
+  up = sum(layer.up.file_bytes() for layer in dec.layers)
+  blocks = sum(layer.down.shape[0] * layer.down.shape[1] for layer in dec.layers) // 32
+  assert dec.ffn_bytes_per_token(0.25, 1.0) == pytest.approx(gate + up + (0.25 * 16 + 4) *
+                                                             blocks, abs=1)
+  q8 = _tiny_decoder(rng, "q8_0", adjacent=True, family="swiglu", dot=dot)
+  with pytest.raises(HostOpError, match="Q4_1 down projection"):
+    q8.enable_gated([0.0, 0.0], down_format="file")
+  assert q8.gate_cuts is None and q8.down_format is None
+  q8.enable_gated([0.0, 0.0])  # The default where the file's rows cannot be used.
+  assert q8.down_format == "q8_0"
+  dec.enable_gated([0.0, 0.0], down_format="q8_0")
+  dec.enable_gated([0.0, 0.0])  # The default for Q4_1 down projections.
+  assert dec.down_format == "file"

@@ -122,7 +122,8 @@ def test_bench_interleaves_dense_and_gate_sparse_decode(tmp_path):
                         timeout=600, cwd=ROOT)
   assert proc.returncode == 2 and "--interleave_dense" in proc.stderr
   assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0
-  # Q4_1 down rows: 20 bytes per 32 weights against Q8_0's 34, for the active fraction.
+  # Q4_1 down rows: 20 bytes per 32 weights of an active neuron, against the default file
+  # layout's 16 plus 4 for every neuron's scales.
   proc = subprocess.run(bench + ["--gate_sparse", "--gate_down=q4_1", "-o", "json"],
                         capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -132,12 +133,34 @@ def test_bench_interleaves_dense_and_gate_sparse_decode(tmp_path):
   assert saved > dense["dense_weight_bytes_per_token"] - gate["weight_bytes_per_token"]
   assert q4["ffn_sparsity"] == pytest.approx(gate["ffn_sparsity"], abs=0.05)
   assert saved == pytest.approx(
-      dense["dense_weight_bytes_per_token"] - want + (1 - q4["ffn_sparsity"]) * down * 14 / 32,
+      dense["dense_weight_bytes_per_token"] - want + q4["ffn_sparsity"] * down * 4 / 32,
       rel=0.1)
   proc = subprocess.run(bench + ["--gate_down=q4_1"], capture_output=True, text=True,
                         timeout=600, cwd=ROOT)
   assert proc.returncode == 2 and "--gate_down" in proc.stderr and "--gate_sparse" in proc.stderr
   assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0
+  # The file's own Q4_1 blocks (--gate_down=file): dReLU's exact zeros skipped with nothing
+  # rounded again, so a decode step equals the dense one up to f32 summation order; bytes:
+  # 16 per 32 weights of an active neuron plus 4 for the scales.
+  tokens = np.asarray([[1, 5, 9, 300, 42]])
+  model.configure_host_weights("auto", dot="int8")
+  dec = model.backend.decoder
+  cid = dec.new_cache(1, 8)
+  want_logits = [dec.forward(cid, tokens, 0), dec.forward(cid, np.asarray([[7]]), 5)]
+  model.configure_host_weights("auto", gate_sparse=True, dot="int8", gate_down="file")
+  dec = model.backend.decoder
+  assert dec.down_format == "file" and model.sparse_mode == "gate"
+  cid = dec.new_cache(1, 8)
+  for want, got in zip(want_logits, [dec.forward(cid, tokens, 0),
+                                     dec.forward(cid, np.asarray([[7]]), 5)]):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+  active = dec.last_active.mean()
+  assert 0.1 < active < 0.5
+  passed = dec.last_passed.mean()
+  assert dec.ffn_bytes_per_token(active, passed) == pytest.approx(
+      dec.ffn_bytes_per_token(0.0, passed) + active * down // 32 * 16, abs=1)
+  assert dec.ffn_bytes_per_token(0.0, 0.0) == pytest.approx(
+      sum(layer.gate.file_bytes() for layer in dec.layers) + down // 32 * 4, abs=1)
 
 
 def test_synthetic_cli_refuses_a_missing_folder(tmp_path):

@@ -334,8 +334,8 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
     gate_cuts: turn on the gate-first sparse FFN (`host_ops.gated_ffn`): None = off, True =
       on with cuts calibrated on `calibration_chunks` (int[t] token arrays) for `gate_sparsity`
       (SwiGLU), or zero cuts (ReLU families and gate_sparsity 0: exact zeros skipped).
-    gate_down: the neuron-major down rows' format, "q8_0" | "q4_1" | None (q8_0;
-      `HostDecoder.enable_gated`).
+    gate_down: the neuron-major down rows' format, "q8_0" | "q4_1" | "file" | None (file
+      where the down projections are Q4_1, else q8_0; `HostDecoder.enable_gated`).
     gate_rule: "gate" (the cuts are on |act_gate(g)|) or "contribution" (gate cuts 0, the
       calibrated cuts on |act(g, u)|: every up row read, down rows skipped).
 
@@ -425,8 +425,10 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
       |act_gate(gate . h)|: skipped neurons read neither up nor down rows) or "contribution"
       (|act(gate . h, up . h)|: every up row read, down rows skipped; the sound rule for
       SwiGLU on 4-bit weights, issue 11).
-    gate_down: with gate_sparse, the format of the neuron-major down rows: "q8_0" (1.0625
-      bytes/weight; None means it) or "q4_1" (0.625, a second 4-bit rounding).
+    gate_down: with gate_sparse, the format of the neuron-major down rows: "file" (a Q4_1
+      file's blocks transposed, exact: 0.5 bytes/weight per active neuron plus 0.125), "q8_0"
+      (1.0625) or "q4_1" (0.625, a second 4-bit rounding); None: file where the down
+      projections are Q4_1, else q8_0.
     dot: "int8" (decode matmuls quantize activations per block of 32 and sum integer products,
       llama.cpp's arithmetic; the default) or "f32" (exact f32 activations; slower). Passes
       of more than 8 tokens (prefill) use f32 activations either way.
