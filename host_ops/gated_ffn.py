@@ -697,26 +697,27 @@ def _up_pass_int8(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
     return acts, np.full(b, f, np.int64)
   ids, counts = _active_ids(g, cuts[0], code)
   xq, dx, xsum = qdot.quantize_x(h)
-  acts = np.zeros((b, f), np.float32)
+  u = np.empty((b, f), np.float32)  # up . h of the j-th passed neuron of row r at u[r, j].
+  # No software prefetch and the activations after the parallel region: with either in the
+  # row loop it ran at half the dense gemv's rows/s (7B shapes, 2 threads, every row passing,
+  # in cache: 405-411 us against 191-204 for 2048 rows; 50% passing from DRAM: 1479 against
+  # 1313 us without them, the dense gemv of all rows 1478; BUILD_NOTES.md, issue 11).
   for t in numba.prange(n_threads):
     for r in range(b):
       lo = t * counts[r] // n_threads
       hi = (t + 1) * counts[r] // n_threads
-      # Every row read (the contribution rule): sequential, the hardware prefetcher's case;
-      # software prefetches cost SmolLM2's up pass ~30%.
-      ahead = 0 if counts[r] == f else AHEAD
-      for j in range(lo, min(lo + ahead, hi)):
-        _prefetch_up(ids[r], j, hi, up_w, up_d, up_m, q4)
       for j in range(lo, hi):
-        if ahead:
-          _prefetch_up(ids[r], j + ahead, hi, up_w, up_d, up_m, q4)
         i = ids[r, j]
         if q4:
-          u = qdot._row_dot_q4_1(up_w[i], up_d[i], xq[r], dx[r]) + qdot.offset_dot(up_m[i],
-                                                                                   xsum[r])
+          u[r, j] = qdot._row_dot_q4_1(up_w[i], up_d[i], xq[r], dx[r]) + qdot.offset_dot(
+              up_m[i], xsum[r])
         else:
-          u = qdot._row_dot_q8_0(up_w[i], up_d[i], xq[r], dx[r])
-        acts[r, i] = _contribution(_common.activation(g[r, i], u, code), cuts[1])
+          u[r, j] = qdot._row_dot_q8_0(up_w[i], up_d[i], xq[r], dx[r])
+  acts = np.zeros((b, f), np.float32)
+  for r in range(b):
+    for j in range(counts[r]):
+      i = ids[r, j]
+      acts[r, i] = _contribution(_common.activation(g[r, i], u[r, j], code), cuts[1])
   return acts, counts
 
 
