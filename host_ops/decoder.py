@@ -653,10 +653,8 @@ class HostDecoder:
     if passed_fraction is None:
       active_sum, passed_sum = self.read_sums
       passed_fraction = active_fraction * (passed_sum / active_sum if active_sum > 0 else 1.0)
-    kind = None if self._down_t is None else self._down_t[0].kind
-    # Bytes per 32 down weights: read per active neuron, and read whatever the sparsity (the
-    # file layout's d and m of every neuron block).
-    per_block, fixed = {qmatmul.Q4_1: (20, 0), gated_lib.DOWN_FILE: (16, 4)}.get(kind, (34, 0))
+    kind = qmatmul.Q8_0 if self._down_t is None else self._down_t[0].kind
+    per_block, fixed = gated_lib.DOWN_BLOCK_BYTES[kind]
     blocks = sum(layer.down.shape[0] * layer.down.shape[1] // 32 for layer in self.layers)
     return int(sum(layer.gate.file_bytes() + passed_fraction * layer.up.file_bytes()
                    for layer in self.layers) + (active_fraction * per_block + fixed) * blocks)

@@ -81,6 +81,9 @@ def _active_ids(g, cut, code):
 # blocks transposed without rounding (`FileDownRows`).
 DOWN_FILE = "file"
 DOWN_KINDS = (qmatmul.Q8_0, qmatmul.Q4_1, DOWN_FILE)
+# Bytes per 32 down weights of each format: (read per active neuron, read whatever the sparsity:
+# the file layout's d and m of every neuron block).
+DOWN_BLOCK_BYTES = {qmatmul.Q8_0: (34, 0), qmatmul.Q4_1: (20, 0), DOWN_FILE: (16, 4)}
 
 # Neurons ahead whose whole rows (codes and scales) a thread prefetches in each pass.
 AHEAD = 3
@@ -423,10 +426,7 @@ def _down_threads_file_int8(acts, ids, counts, qs, dm, partials, n_threads):
         _prefetch_at(ids[r], j, hi, qs)
       j = lo
       while j < hi:
-        blk = ids[r, j] // blk_n
-        if blk + 2 < dm.shape[0]:  # The scales two blocks ahead (rows: FILE_AHEAD ahead).
-          _common.prefetch_row(dm[blk + 2, 0])
-          _common.prefetch_row(dm[blk + 2, 1])
+        blk = ids[r, j] // blk_n  # Its scales: the hardware's stream (prefetching them: no gain).
         n = 0
         isum = 0
         while j + n < hi and ids[r, j + n] // blk_n == blk:

@@ -615,8 +615,9 @@ def run_down_pass(opts: Options, read_gb_s: float | None, log=None) -> list[Down
     del dense
     for fmt in gated_ffn.DOWN_KINDS:
       # Bytes per active row, and bytes read whatever the active set (the file layout's scales).
-      per_row = (d // 32) * {qmatmul.Q4_1: 20, gated_ffn.DOWN_FILE: 16}.get(fmt, 34)
-      fixed = n * d // 8 if fmt == gated_ffn.DOWN_FILE else 0
+      active_bytes, fixed_bytes = gated_ffn.DOWN_BLOCK_BYTES[fmt]
+      per_row = (d // 32) * active_bytes
+      fixed = n * d // 32 * fixed_bytes
       size = n * per_row + fixed
       copies = max(1, min(math.ceil(cold / size), int(opts.max_bytes // size)))
       if fmt == gated_ffn.DOWN_FILE:  # The file's [D, F] Q4_1 blocks, transposed.

@@ -125,6 +125,18 @@ def _tiny_decoder(rng, kind, *, adjacent, family="swiglu", layer_kinds=None, dot
                                  rope_theta=10000.0, rope_dim=hd, rope_adjacent=adjacent, dot=dot)
 
 
+def _masked_acts(rng, b, f, frac):
+  """Random activations f32[b, f] kept on a mask: none (0.0), one neuron ("single"), a random
+  fraction, or all (1.0). Returns (acts, keep)."""
+  acts = rng.standard_normal((b, f)).astype(np.float32)
+  if frac == "single":
+    keep = np.zeros((b, f), bool)
+    keep[:, f // 3] = True
+  else:
+    keep = rng.random((b, f)) < frac
+  return np.where(keep, acts, np.float32(0.0)), keep
+
+
 def _assert_logits_match(got, ref, dot):
   """f32: 2e-4 of the range. int8: f32 vs float64 activations can round a code the other way
   (a step of max|block| / 127), which a random model amplifies: measured <= 6.5e-3 of the range
@@ -253,13 +265,7 @@ def test_down_pass_matches_reference(down_kind, dot, f, dim, b):
   down_t = (qmatmul.quantize_q4_1 if down_kind == "q4_1" else qmatmul.quantize_q8_0)(rows)
   exact_rows = qmatmul.dequantize_reference(down_t)
   for frac in (0.0, "single", 0.37, 1.0):
-    acts = rng.standard_normal((b, f)).astype(np.float32)
-    if frac == "single":
-      keep = np.zeros((b, f), bool)
-      keep[:, f // 3] = True
-    else:
-      keep = rng.random((b, f)) < frac
-    acts = np.where(keep, acts, np.float32(0.0))
+    acts, keep = _masked_acts(rng, b, f, frac)
     y, counts = gated_ffn._down_pass(acts, down_t.arrays, 2, np.int64(32), dot == "int8")
     np.testing.assert_array_equal(counts, keep.sum(axis=1))
     ref = gated_ffn.down_reference(acts, down_t, dot=dot, n_threads=2)
@@ -748,13 +754,7 @@ def test_file_down_rows_match_reference_and_dense(dot, f, dim, b):
   np.testing.assert_array_equal(rows.dequantize(), file_w.T)
   assert rows.nbytes == sum(a.nbytes for a in down.arrays)  # The file's bytes, no more.
   for frac in (0.0, "single", 0.37, 1.0):
-    acts = rng.standard_normal((b, f)).astype(np.float32)
-    if frac == "single":
-      keep = np.zeros((b, f), bool)
-      keep[:, f // 3] = True
-    else:
-      keep = rng.random((b, f)) < frac
-    acts = np.where(keep, acts, np.float32(0.0))
+    acts, keep = _masked_acts(rng, b, f, frac)
     y, counts = gated_ffn._down_pass(acts, rows.arrays, 2, np.int64(32), dot == "int8")
     np.testing.assert_array_equal(counts, keep.sum(axis=1))
     ref = gated_ffn.down_reference(acts, rows, dot=dot)
