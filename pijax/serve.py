@@ -48,6 +48,9 @@ _MAX_QUEUE = flags.DEFINE_integer("max_queue", 16, "Requests that may wait for t
                                   "more get 503.")
 _CACHE_SLOTS = flags.DEFINE_integer("cache_slots", 2, "Conversations whose KV cache is kept "
                                     "for prefix reuse (each max_seq_len tokens).")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "Reply tokens at most for a "
+                                   "request that names no max_tokens (llama.cpp's -n); "
+                                   "default: up to the context's end.", lower_bound=1)
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile the prefill and decode steps before "
                             "reporting ready.")
 
@@ -123,7 +126,7 @@ def main(argv: list[str]) -> None:
   from pijax.server.app import ServerState, create_app
   from pijax.server import worker as worker_lib
   state = ServerState(_model_id(model_arg), max_queue=_MAX_QUEUE.value,
-                      cache_slots=_CACHE_SLOTS.value)
+                      cache_slots=_CACHE_SLOTS.value, max_tokens=_MAX_TOKENS.value)
   app = create_app(state)
   config = uvicorn.Config(app, host=_HOST.value, port=_PORT.value, log_level="warning",
                           access_log=False, timeout_graceful_shutdown=5,

@@ -34,11 +34,11 @@ def browser():
 
 @pytest.fixture(scope="module")
 def page_server():
-  """A server of its own with a 2048-token context: the page sends no sampling settings, so
-  the reply length is random, and a long first reply plus the follow-up once passed the
-  shared fixture's 512 tokens."""
+  """A server of its own with a 2048-token context and a 512-token reply cap: the page sends
+  no sampling settings, so replies are sampled and unbounded, and a rambling first reply
+  (2000+ tokens once, in a fresh-clone run) left no room for the follow-up."""
   from conftest import spawn_server
-  yield from spawn_server("--max_seq_len=2048", "--host_threads=2")
+  yield from spawn_server("--max_seq_len=2048", "--max_tokens=512", "--host_threads=2")
 
 
 def _wait(predicate, timeout=120.0):

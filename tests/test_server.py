@@ -494,6 +494,43 @@ def test_v6_template_exception_is_400_with_its_message(tmp_path):
     state.worker.close()
 
 
+def test_server_max_tokens_caps_replies_that_name_no_limit(tmp_path):
+  """--max_tokens (llama.cpp's -n): a chat naming no max_tokens stops there with "length";
+  a request's own max_tokens wins (in-process server on a tiny model)."""
+  import asyncio
+  import uvicorn
+  import pijax
+  from conftest import free_port
+  from tiny_models import make_hf_llama, write_gguf
+  from pijax.server.app import ServerState, create_app
+  path = write_gguf(make_hf_llama(), tmp_path / "tiny.gguf",
+                    chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+  model = pijax.load(str(path), max_seq_len=64)
+  state = ServerState("tiny", max_tokens=3)
+  state.attach(model)
+  port = free_port()
+  server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port,
+                                         log_level="warning"))
+  thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+  thread.start()
+  try:
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+      time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    # Seeded sampling: deterministic, and this seed draws no end-of-turn token within 7.
+    body = {"messages": [{"role": "user", "content": "abc"}], "temperature": 2.0, "seed": 1}
+    capped = httpx.post(url, json=body, timeout=60).json()
+    assert capped["usage"]["completion_tokens"] == 3, capped
+    assert capped["choices"][0]["finish_reason"] == "length"
+    own = httpx.post(url, json={**body, "max_tokens": 7}, timeout=60).json()
+    assert own["usage"]["completion_tokens"] == 7, own
+  finally:
+    server.should_exit = True
+    thread.join(timeout=30)
+    state.worker.close()
+
+
 @pytest.mark.parametrize("first,second_after", [("SIGINT", None), ("SIGINT", 0.05),
                                                 ("SIGINT", 0.5), ("SIGTERM", None)])
 def test_sigint_while_streaming_ends_the_stream_and_exits_cleanly(first, second_after):

@@ -41,8 +41,10 @@ class ServerState:
   load failure, reported by /health.
   """
 
-  def __init__(self, model_id: str, *, max_queue: int = 16, cache_slots: int = 2):
+  def __init__(self, model_id: str, *, max_queue: int = 16, cache_slots: int = 2,
+               max_tokens: int | None = None):
     self.model_id = model_id
+    self.max_tokens = max_tokens  # Reply cap (tokens) for chat requests that name none.
     self.max_queue = max_queue
     self.cache_slots = cache_slots
     self.model = None
@@ -200,7 +202,10 @@ def create_app(state: ServerState) -> FastAPI:
     elif not chat and req.logprobs is not None:
       top_logprobs = req.logprobs
     sampling["seed"] = seed if seed < 2 ** 63 else seed - 2 ** 64
-    job = Job(ids, max_tokens=req.token_limit(), sampling=sampling, stop=req.stop_strings(),
+    limit = req.token_limit()
+    if limit is None:
+      limit = state.max_tokens
+    job = Job(ids, max_tokens=limit, sampling=sampling, stop=req.stop_strings(),
               top_logprobs=top_logprobs)
     try:
       state.worker.submit(job)
