@@ -698,21 +698,27 @@ def _up_pass_int8(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
   ids, counts = _active_ids(g, cuts[0], code)
   xq, dx, xsum = qdot.quantize_x(h)
   u = np.empty((b, f), np.float32)  # up . h of the j-th passed neuron of row r at u[r, j].
-  # No software prefetch and the activations after the parallel region: with either in the
-  # row loop it ran at half the dense gemv's rows/s (7B shapes, 2 threads, every row passing,
-  # in cache: 405-411 us against 191-204 for 2048 rows; 50% passing from DRAM: 1479 against
-  # 1313 us without them, the dense gemv of all rows 1478; BUILD_NOTES.md, issue 11).
+  # The next passed row is prefetched while this one is summed: its codes a line per 64 bytes
+  # read (`qdot._row_dot_*_next`), its scales whole. The activations come after the parallel
+  # region: in the row loop they halved its rows/s. 7B shapes from DRAM, 2 threads, 50% of
+  # rows passing: 1.75-1.96x the dense gemv's time per row before, 1.28 now (BUILD_NOTES.md,
+  # issue 11).
   for t in numba.prange(n_threads):
     for r in range(b):
       lo = t * counts[r] // n_threads
       hi = (t + 1) * counts[r] // n_threads
+      if lo < hi:
+        _common.prefetch_row(up_w[ids[r, lo]])
       for j in range(lo, hi):
         i = ids[r, j]
+        nxt = ids[r, j + 1] if j + 1 < hi else i
+        _common.prefetch_row(up_d[nxt])
         if q4:
-          u[r, j] = qdot._row_dot_q4_1(up_w[i], up_d[i], xq[r], dx[r]) + qdot.offset_dot(
-              up_m[i], xsum[r])
+          _common.prefetch_row(up_m[nxt])
+          u[r, j] = qdot._row_dot_q4_1_next(up_w[i], up_d[i], xq[r], dx[r], up_w[nxt]) + \
+              qdot.offset_dot(up_m[i], xsum[r])
         else:
-          u[r, j] = qdot._row_dot_q8_0(up_w[i], up_d[i], xq[r], dx[r])
+          u[r, j] = qdot._row_dot_q8_0_next(up_w[i], up_d[i], xq[r], dx[r], up_w[nxt])
   acts = np.zeros((b, f), np.float32)
   for r in range(b):
     for j in range(counts[r]):

@@ -74,12 +74,21 @@ def _load(builder, base, offset, ty):
   return builder.load(builder.bitcast(builder.gep(base, [offset]), ty.as_pointer()), align=1)
 
 
-def _row_dot_codegen(q4):
-  """LLVM IR of sum_b d[b] dx[b] <w_b, xq_b> over one row (see the module docstring)."""
+def _row_dot_codegen(q4, prefetch=False):
+  """LLVM IR of sum_b d[b] dx[b] <w_b, xq_b> over one row (see the module docstring). With
+  `prefetch`, a fifth argument is the next row's codes, one cache line of which is prefetched
+  per 64 code bytes read here: spread over the row, so the prefetches never fill the core's
+  miss buffers at once as a whole-row prefetch does."""
 
   def codegen(context, builder, signature, args):
     arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
-    wp, dp, xp, sp = (a.data for a in arrays)
+    wp, dp, xp, sp = (a.data for a in arrays[:4])
+    if prefetch:
+      np_ = builder.bitcast(arrays[4].data, cgutils.voidptr_t)
+      i32 = ir.IntType(32)
+      prefetch_fn = cgutils.get_or_insert_function(
+          builder.module, ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32]),
+          _common._PREFETCH_FN)
     nb = builder.extract_value(arrays[1].shape, 0)
     acc_p = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 8), [0.0] * 8))
     ones = ir.Constant(_vec(_I16, 16), [1] * 16)
@@ -88,8 +97,16 @@ def _row_dot_codegen(q4):
     maddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [_vec(_I16, 16)] * 2)
     psign = _x86(builder, "llvm.x86.avx2.psign.b", _vec(_I8, 32), [_vec(_I8, 32)] * 2)
     lanes = ir.Constant(_vec(_I32, 8), [0] * 8)
+    bytes_per_block = 16 if q4 else 32
     with cgutils.for_range(builder, nb) as loop:
       b = loop.index
+      if prefetch:  # The next row's line at this block's offset, once per 64 bytes.
+        per_line = ir.Constant(b.type, 64 // bytes_per_block - 1)
+        first = builder.icmp_unsigned("==", builder.and_(b, per_line), ir.Constant(b.type, 0))
+        with builder.if_then(first):
+          at = builder.gep(np_, [builder.mul(b, ir.Constant(b.type, bytes_per_block))])
+          builder.call(prefetch_fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                     ir.Constant(i32, 1)])
       x = _load(builder, xp, builder.mul(b, ir.Constant(b.type, 32)), _vec(_I8, 32))
       if q4:  # 16 bytes: low nibbles are values 0..15 of the block, high nibbles 16..31.
         raw = _load(builder, wp, builder.mul(b, ir.Constant(b.type, 16)), _vec(_I8, 16))
@@ -124,6 +141,18 @@ def _row_dot_q4_1(typingctx, qs, d, xq, dx):
   """f32: sum_b d[b] dx[b] <nibbles of qs[16 b:16 b + 16], xq[32 b:32 b + 32]>.
   qs: u8[D/2]; d: u16[D/32] (f16 bits); xq: i8[D]; dx: f32[D/32] (all contiguous)."""
   return types.float32(qs, d, xq, dx), _row_dot_codegen(q4=True)
+
+
+@intrinsic
+def _row_dot_q4_1_next(typingctx, qs, d, xq, dx, next_qs):
+  """`_row_dot_q4_1`, prefetching next_qs (u8[D/2], the row read next) over the row."""
+  return types.float32(qs, d, xq, dx, next_qs), _row_dot_codegen(q4=True, prefetch=True)
+
+
+@intrinsic
+def _row_dot_q8_0_next(typingctx, q, d, xq, dx, next_q):
+  """`_row_dot_q8_0`, prefetching next_q (i8[D], the row read next) over the row."""
+  return types.float32(q, d, xq, dx, next_q), _row_dot_codegen(q4=False, prefetch=True)
 
 
 @intrinsic
@@ -173,17 +202,34 @@ def offset_dot(m_row, xsum_row):
   return s
 
 
+# Rows of at least this many code bytes prefetch the next row spread over the current one
+# (`_row_dot_*_next`); shorter rows prefetch the next row whole at its start. From DRAM, 2
+# threads: 7B shapes (Q4_1 11008 x 4096 and 4096 x 4096) 1.12-1.20x faster; SmolLM2's
+# 288-byte rows 0.86-0.95x (BUILD_NOTES.md, issue 11).
+SPREAD_MIN_BYTES = 1024
+
+
 @numba.njit(parallel=True, **_common._JIT)
 def gemv_q4_1(qs, d, m, x, out):
   """out[r, i] = W[i] . x[r] with x quantized per block. qs: u8[n, D/2]; d, m: u16[n, D/32]
   (f16 bits); x: f32[b, D]; out: f32[b, n]."""
   xq, dx, xsum = quantize_x(x)
   n = qs.shape[0]
+  spread = qs.shape[1] >= SPREAD_MIN_BYTES
   for i in numba.prange(n):
-    if i + 1 < n:
-      _common.prefetch_row(qs[i + 1])
-    for r in range(x.shape[0]):
-      out[r, i] = _row_dot_q4_1(qs[i], d[i], xq[r], dx[r]) + offset_dot(m[i], xsum[r])
+    if spread:
+      if i + 2 < n:
+        _common.prefetch_row(d[i + 2])
+        _common.prefetch_row(m[i + 2])
+      nxt = min(i + 1, n - 1)
+      for r in range(x.shape[0]):
+        out[r, i] = _row_dot_q4_1_next(qs[i], d[i], xq[r], dx[r], qs[nxt]) + offset_dot(
+            m[i], xsum[r])
+    else:
+      if i + 1 < n:
+        _common.prefetch_row(qs[i + 1])
+      for r in range(x.shape[0]):
+        out[r, i] = _row_dot_q4_1(qs[i], d[i], xq[r], dx[r]) + offset_dot(m[i], xsum[r])
 
 
 @numba.njit(parallel=True, **_common._JIT)
@@ -192,11 +238,19 @@ def gemv_q8_0(q, d, x, out):
   bits); x: f32[b, D]; out: f32[b, n]."""
   xq, dx, _ = quantize_x(x)
   n = q.shape[0]
+  spread = q.shape[1] >= SPREAD_MIN_BYTES
   for i in numba.prange(n):
-    if i + 1 < n:
-      _common.prefetch_row(q[i + 1])
-    for r in range(x.shape[0]):
-      out[r, i] = _row_dot_q8_0(q[i], d[i], xq[r], dx[r])
+    if spread:
+      if i + 2 < n:
+        _common.prefetch_row(d[i + 2])
+      nxt = min(i + 1, n - 1)
+      for r in range(x.shape[0]):
+        out[r, i] = _row_dot_q8_0_next(q[i], d[i], xq[r], dx[r], q[nxt])
+    else:
+      if i + 1 < n:
+        _common.prefetch_row(q[i + 1])
+      for r in range(x.shape[0]):
+        out[r, i] = _row_dot_q8_0(q[i], d[i], xq[r], dx[r])
 
 
 def quantize_x_reference(x) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
