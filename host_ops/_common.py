@@ -122,15 +122,21 @@ def _prefetch(typingctx, arr, idx):
     aryty, _ = signature.args
     ary = context.make_array(aryty)(context, builder, args[0])
     ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
-    ptr = builder.bitcast(ptr, cgutils.voidptr_t)
-    i32 = ir.IntType(32)
-    fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32]),
-        _PREFETCH_FN)
-    builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+    emit_prefetch(builder, ptr)
     return context.get_dummy_value()
 
   return sig, codegen
+
+
+def emit_prefetch(builder, ptr) -> None:
+  """LLVM IR of a read prefetch of the cache line at `ptr` (any pointer) into the data cache
+  (llvm.prefetch, high locality): for intrinsics that prefetch inside their loops."""
+  i32 = ir.IntType(32)
+  fn = cgutils.get_or_insert_function(
+      builder.module, ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32]),
+      _PREFETCH_FN)
+  builder.call(fn, [builder.bitcast(ptr, cgutils.voidptr_t), ir.Constant(i32, 0),
+                    ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
 @numba.njit(inline="always", **_JIT)

@@ -85,10 +85,6 @@ def _row_dot_codegen(q4, prefetch=False):
     wp, dp, xp, sp = (a.data for a in arrays[:4])
     if prefetch:
       np_ = builder.bitcast(arrays[4].data, cgutils.voidptr_t)
-      i32 = ir.IntType(32)
-      prefetch_fn = cgutils.get_or_insert_function(
-          builder.module, ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32]),
-          _common._PREFETCH_FN)
     nb = builder.extract_value(arrays[1].shape, 0)
     acc_p = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 8), [0.0] * 8))
     ones = ir.Constant(_vec(_I16, 16), [1] * 16)
@@ -104,9 +100,8 @@ def _row_dot_codegen(q4, prefetch=False):
         per_line = ir.Constant(b.type, 64 // bytes_per_block - 1)
         first = builder.icmp_unsigned("==", builder.and_(b, per_line), ir.Constant(b.type, 0))
         with builder.if_then(first):
-          at = builder.gep(np_, [builder.mul(b, ir.Constant(b.type, bytes_per_block))])
-          builder.call(prefetch_fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3),
-                                     ir.Constant(i32, 1)])
+          _common.emit_prefetch(builder, builder.gep(
+              np_, [builder.mul(b, ir.Constant(b.type, bytes_per_block))]))
       x = _load(builder, xp, builder.mul(b, ir.Constant(b.type, 32)), _vec(_I8, 32))
       if q4:  # 16 bytes: low nibbles are values 0..15 of the block, high nibbles 16..31.
         raw = _load(builder, wp, builder.mul(b, ir.Constant(b.type, 16)), _vec(_I8, 16))
