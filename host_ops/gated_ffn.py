@@ -740,6 +740,7 @@ def _up_pass_int8(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
     return acts, np.full(b, f, np.int64)
   ids, counts = _active_ids(g, cuts[0], code)
   xq, dx, xsum = qdot.quantize_x(h)
+  xqp = qdot.pair_blocks(xq) if q4 else xq
   u = np.empty((b, f), np.float32)  # up . h of the j-th passed neuron of row r at u[r, j].
   # The next passed row is prefetched while this one is summed: its codes a line per 64 bytes
   # read (`qdot._row_dot_*_next`), its scales whole. The activations come after the parallel
@@ -758,8 +759,8 @@ def _up_pass_int8(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
         _common.prefetch_row(up_d[nxt])
         if q4:
           _common.prefetch_row(up_m[nxt])
-          u[r, j] = qdot._row_dot_q4_1_next(up_w[i], up_d[i], xq[r], dx[r], up_w[nxt]) + \
-              qdot.offset_dot(up_m[i], xsum[r])
+          u[r, j] = qdot._row_dot_q4_1_pairs_next(up_w[i], up_d[i], up_m[i], xqp[r], dx[r],
+                                                  xsum[r], up_w[nxt])
         else:
           u[r, j] = qdot._row_dot_q8_0_next(up_w[i], up_d[i], xq[r], dx[r], up_w[nxt])
   acts = np.zeros((b, f), np.float32)

@@ -60,8 +60,10 @@ def test_quantize_x_matches_reference(dim):
 @needs_simd
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 # 2080: rows of >= qdot.SPREAD_MIN_BYTES code bytes in both formats (the next row prefetched
-# over the current one), an odd 65 blocks.
-@pytest.mark.parametrize("n,dim", [(1, 32), (37, 96), (300, 576), (65, 1536), (9, 2080)])
+# over the current one), an odd 65 blocks. Q4_1 takes blocks in pairs, scales in groups of 8:
+# 32 and 96 a lone last block, 224 three left-over pairs, 448 a group and three pairs.
+@pytest.mark.parametrize("n,dim", [(1, 32), (37, 96), (7, 224), (5, 448), (300, 576), (65, 1536),
+                                   (9, 2080)])
 @pytest.mark.parametrize("b", [1, 3, qmatmul.GEMV_MAX_ROWS])
 def test_gemv_matches_reference(kind, n, dim, b):
   rng = np.random.default_rng(n * dim + b)
