@@ -323,15 +323,20 @@ class Model:
       if options is not None and kind in SPLIT_STEPS:
         forward_fn, n, logprobs = SPLIT_STEPS[kind]
         fn = functools.partial(forward_fn, backend=self.backend, kv_len=kv_len)
-        forward = jax.jit(fn, donate_argnums=donate).lower(*args[:n])
-        logits = forward.out_info[0]
+        forward = self.backend.eager_forward(kind)
+        if forward is None:
+          forward = jax.jit(fn, donate_argnums=donate).lower(*args[:n])
+          logits = forward.out_info[0]
+          forward = forward.compile()
+        else:
+          logits = jax.eval_shape(fn, *args[:n])[0]
         sample_key = ("sample", logprobs, _shapes((logits, args[n:])))
         sample = self._compiled.get(sample_key)  # One sampler for prefill and decode.
         if sample is None:
           sample = jax.jit(functools.partial(_sample, logprobs=logprobs)).lower(
               logits, *args[n:]).compile(options)
           self._compiled[sample_key] = sample
-        exe = _SplitStep(forward.compile(), n, sample)
+        exe = _SplitStep(forward, n, sample)
       else:
         fn = functools.partial(STEPS[kind], backend=self.backend, kv_len=kv_len)
         exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()

@@ -111,6 +111,14 @@ class Backend(abc.ABC):
     """One token per row, tokens i32[B] at position pos; returns (logits f32[B, V], state,
     active f32[L]); traceable."""
 
+  def eager_forward(self, kind: str) -> Callable[..., StepOut] | None:
+    """None, or `prefill` (kind "prefill*", with all_logits False) / `decode` (kind "decode*")
+    as a plain Python function of host values, same arguments (without the keywords) and
+    results, that the engine calls instead of compiling the pass: for a backend whose whole
+    forward pass is one host call, where the XLA program around it only adds dispatch."""
+    del kind
+    return None
+
   # ----------------------------------------------------------------------------- accounting
   @abc.abstractmethod
   def weight_bytes_per_token(self, ffn_sparsity: float = 0.0) -> tuple[int, int]:
