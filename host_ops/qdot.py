@@ -298,10 +298,15 @@ def pair_blocks(xq):
 
 
 # Rows of at least this many code bytes prefetch the next row spread over the current one
-# (`_row_dot_*_next`); shorter rows prefetch the next row whole at its start. From DRAM, 2
+# (`_row_dot_*_next`); shorter rows prefetch a row whole (SHORT_AHEAD). From DRAM, 2
 # threads: 7B shapes (Q4_1 11008 x 4096 and 4096 x 4096) 1.12-1.20x faster; SmolLM2's
 # 288-byte rows 0.86-0.95x (BUILD_NOTES.md, issue 11).
 SPREAD_MIN_BYTES = 1024
+# Shorter rows prefetch the codes of the row this many ahead, whole (not their scales). With the
+# pair dot (`_row_dot_q4_1_pairs`), SmolLM2's [1536, 576] and [960, 576] Q4_1 matvecs from DRAM
+# ran 1.25-1.3x faster with 4 rows ahead than with the next row's codes, scales and offsets
+# (8 ahead: the same as 4; the scales too: slower; BUILD_NOTES.md, issue 11).
+SHORT_AHEAD = 4
 
 
 @numba.njit(parallel=True, **_common._JIT)
@@ -321,10 +326,8 @@ def gemv_q4_1(qs, d, m, x, out):
       for r in range(x.shape[0]):
         out[r, i] = _row_dot_q4_1_pairs_next(qs[i], d[i], m[i], xqp[r], dx[r], xsum[r], qs[nxt])
     else:
-      if i + 1 < n:
-        _common.prefetch_row(qs[i + 1])
-        _common.prefetch_row(d[i + 1])
-        _common.prefetch_row(m[i + 1])
+      if i + SHORT_AHEAD < n:
+        _common.prefetch_row(qs[i + SHORT_AHEAD])
       for r in range(x.shape[0]):
         out[r, i] = _row_dot_q4_1_pairs(qs[i], d[i], m[i], xqp[r], dx[r], xsum[r])
 
@@ -344,8 +347,8 @@ def gemv_q8_0(q, d, x, out):
       for r in range(x.shape[0]):
         out[r, i] = _row_dot_q8_0_next(q[i], d[i], xq[r], dx[r], q[nxt])
     else:
-      if i + 1 < n:
-        _common.prefetch_row(q[i + 1])
+      if i + SHORT_AHEAD < n:
+        _common.prefetch_row(q[i + SHORT_AHEAD])
       for r in range(x.shape[0]):
         out[r, i] = _row_dot_q8_0(q[i], d[i], xq[r], dx[r])
 
