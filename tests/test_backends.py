@@ -232,9 +232,11 @@ def test_host_pass_runs_on_the_calling_thread(tmp_path):
 
 
 def test_host_sampler_compiled_apart_gives_the_fused_steps_tokens(tmp_path):
-  """The host backend compiles sampling as its own executable (XLA's loop emitters, for memory):
-  the same tokens and log-probs as the fused forward+sample step, one sampler for prefill and
-  decode, and the forward pass still on the calling thread."""
+  """The host backend compiles sampling as its own executable (XLA's loop emitters, for memory)
+  and calls the forward pass directly (`eager_forward`, no XLA program around the host pass):
+  the same tokens and log-probs as the fused, traced forward+sample step (the host pass through
+  its io_callback), one sampler for prefill and decode."""
+  import jax
   path = tiny_models.write_random_quantized_gguf(tmp_path / "m.gguf", layer_type="Q8_0")
   model = pijax.load(path, max_seq_len=64)
   model.configure_host_weights("gguf")
@@ -248,6 +250,10 @@ def test_host_sampler_compiled_apart_gives_the_fused_steps_tokens(tmp_path):
   split_ids, split_lp = run()
   assert model.backend.sampler_compiler_options is not None
   assert sum(1 for key in model._compiled if key[0] == "sample") == 1
+  split = [exe for key, exe in model._compiled.items()
+           if key[0] in ("prefill_logprobs", "decode_logprobs")]
+  assert len(split) == 2 and not any(isinstance(exe.forward, jax.stages.Compiled)
+                                     for exe in split)
   model.backend.sampler_compiler_options = None  # This instance only: the fused step.
   model._compiled.clear()
   fused_ids, fused_lp = run()
