@@ -77,6 +77,7 @@ from typing import Any
 import numba
 import numpy as np
 
+from host_ops import _common as host_common
 from pijax.errors import ConfigError
 
 # name -> (hidden D, intermediate n) of one FFN layer.
@@ -271,18 +272,31 @@ def _read_lines(buf, lo, hi):
   return s
 
 
-@numba.njit(parallel=True, nogil=True, cache=True)
+# int64s ahead that `_read_all` prefetches (1 KB). The hardware prefetchers alone read 15-20 GB/s
+# on the 2-core AMD VM, where the decode matvecs, which prefetch in software, read 25-36; with
+# this the read went from 15-22 to 20-27 GB/s, alternated in one process (BUILD_NOTES.md, issue 11).
+_READ_AHEAD = 128
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
 def _read_all(buf, n_threads):
-  """Sum of every int64 of buf, split in n_threads contiguous shares (integer adds vectorize
-  without fastmath, so the loop runs at memory speed, not at the adder's; an int32 buffer
-  summed into int64 did not vectorize and read 6 GB/s where this reads 31, dev-2c AMX VM)."""
+  """Sum of every int64 of buf, split in n_threads contiguous shares, each prefetching
+  _READ_AHEAD ahead (integer adds vectorize without fastmath, so the loop runs at memory speed,
+  not at the adder's; an int32 buffer summed into int64 did not vectorize and read 6 GB/s where
+  this reads 31, dev-2c AMX VM)."""
   n = buf.shape[0]
   partial = np.zeros(n_threads, np.int64)
   for t in numba.prange(n_threads):
     lo = t * n // n_threads
     hi = (t + 1) * n // n_threads
     acc = 0
-    for i in range(lo, hi):
+    whole = lo + (hi - lo) // _LINE_INT64 * _LINE_INT64
+    for line in range(lo, whole, _LINE_INT64):
+      if line + _READ_AHEAD < hi:
+        host_common._prefetch(buf, line + _READ_AHEAD)
+      for k in range(_LINE_INT64):
+        acc += buf[line + k]
+    for i in range(whole, hi):
       acc += buf[i]
     partial[t] = acc
   return partial.sum()
@@ -293,7 +307,6 @@ def read_bandwidth(nbytes: float, threads: int, repeats: int = 5) -> float:
   `nbytes` (make it a few times the L3 size so the passes come from DRAM) with `threads`
   numba threads. The ceiling a bandwidth-bound kernel (decode's matrix-vector products) can
   reach on this machine."""
-  from host_ops import _common as host_common
   host_common.set_host_threads(threads)
   n_threads = host_common.ensure_host_threads()
   buf = np.ones(max(int(nbytes) // 8, 1 << 16), np.int64)  # Written: real pages, not zero pages.
@@ -526,7 +539,6 @@ def bench_matvec(mats, dot: str, *, seconds: float, cold_bytes: float,
 
 def run_matvec(opts: Options, read_gb_s: float | None, log=None) -> list[MatvecRow]:
   """Every (shape, gate/down, format, dot) of the dense matvec table."""
-  from host_ops import _common as host_common
   from host_ops import qdot
   from host_ops import qmatmul
   log = log or (lambda s: None)
@@ -594,7 +606,6 @@ def run_down_pass(opts: Options, read_gb_s: float | None, log=None) -> list[Down
   """Every (shape, format, dot, active fraction) of the sparse down-pass table. Rows are random
   blocks (`matvec_copies`), activations standard normal on a uniformly drawn set of exactly
   round(fraction * F) neurons."""
-  from host_ops import _common as host_common
   from host_ops import gated_ffn
   from host_ops import qdot
   from host_ops import qmatmul
