@@ -106,7 +106,8 @@ def _row_dot_codegen(prefetch=False):
         first = builder.icmp_unsigned("==", builder.and_(b, ir.Constant(b.type, 1)),
                                       ir.Constant(b.type, 0))
         with builder.if_then(first):
-          _common.emit_prefetch(builder, builder.gep(np_, [builder.mul(b, ir.Constant(b.type, 32))]))
+          _common.emit_prefetch(builder, builder.gep(
+              np_, [builder.mul(b, ir.Constant(b.type, 32))]))
       x = _load(builder, xp, builder.mul(b, ir.Constant(b.type, 32)), _vec(_I8, 32))
       # s8 x s8: vpmaddubsw wants one unsigned side, so |w| and x with w's sign.
       w = _load(builder, wp, builder.mul(b, ir.Constant(b.type, 32)), _vec(_I8, 32))
@@ -184,8 +185,8 @@ def _q4_1_pairs_codegen(prefetch=False):
     groups = builder.lshr(nb, c(3))
     with cgutils.for_range(builder, groups) as loop:
       base = builder.shl(loop.index, c(3))
-      scale8 = builder.fmul(qblocks._half_to_float(builder, _load(builder, dp, base, _vec(_I16, 8))),
-                            _load(builder, dxp, base, v8))
+      d8 = qblocks._half_to_float(builder, _load(builder, dp, base, _vec(_I16, 8)))
+      scale8 = builder.fmul(d8, _load(builder, dxp, base, v8))
       m8 = qblocks._half_to_float(builder, _load(builder, mp, base, _vec(_I16, 8)))
       accumulate(acc_m, m8, _load(builder, sump, base, v8))
       for k in range(4):
