@@ -246,7 +246,8 @@ def check_flags(f) -> None:
     raise ConfigError(f"-p {f.n_prompt} / -n {f.n_gen}: both must be >= 0 (0 skips a test), "
                       "one > 0.")
   from pijax import sparse_flags
-  sparse_flags.check()  # --hot_ratio etc.: refused before the load, even for a plain GGUF.
+  # --hot_ratio etc.: refused before the load, even for a plain GGUF.
+  sparse_flags.check(model=f.model)
 
 
 def load_for_bench(f):

@@ -223,7 +223,7 @@ def main(argv: list[str]) -> None:
               "min_p": _MIN_P.value, "repeat_penalty": _REPEAT_PENALTY.value,
               "seed": _SEED.value, "max_tokens": _MAX_TOKENS.value, "system": _SYSTEM.value}
   check_settings(settings)
-  sparse_flags.check()
+  sparse_flags.check(model=_MODEL.value)
   from absl import logging as absl_logging
   absl_logging.set_verbosity(absl_logging.ERROR)  # Log lines would land inside replies.
   # Ctrl-C at the prompt must interrupt input(): a process started where SIGINT is ignored (a

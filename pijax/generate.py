@@ -92,7 +92,7 @@ def main(argv: list[str]) -> None:
       min_p=_pick(_MIN_P, sampling.min_p),
       repeat_penalty=_pick(_REPEAT_PENALTY, sampling.repeat_penalty))
   make_sampling_params(**sampling_kwargs)  # Fail on bad values before loading the model.
-  sparse_flags.check(cfg)
+  sparse_flags.check(cfg, model=_pick(_MODEL, cfg.model))
   model = pijax.load(_pick(_MODEL, cfg.model), dtype=_pick(_DTYPE, cfg.dtype),
                      max_seq_len=max_seq_len,
                      ffn_activation=cfg.get("ffn_activation", None) or None)

@@ -165,7 +165,8 @@ def main(argv: list[str]) -> None:
     if os.path.isdir(f.kl_divergence_base) or f.kl_divergence_base.endswith(os.sep):
       raise ConfigError(f"--kl_divergence_base={f.kl_divergence_base} is a folder; name the file "
                         "to write (e.g. base.npy).")
-  sparse_flags.check()  # --hot_ratio etc.: refused before the load, even for a plain GGUF.
+  # --hot_ratio etc.: refused before the load, even for a plain GGUF.
+  sparse_flags.check(model=f.model)
   calibration = sparse_flags.CALIBRATION_FILE.value
   if calibration and os.path.isfile(calibration) and os.path.isfile(f.file) and \
       os.path.samefile(calibration, f.file):

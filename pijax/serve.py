@@ -115,7 +115,7 @@ def main(argv: list[str]) -> None:
   for flag in (_MAX_QUEUE, _CACHE_SLOTS):
     if flag.value < 1:
       raise ConfigError(f"--{flag.name}={flag.value} must be >= 1.")
-  sparse_flags.check()
+  sparse_flags.check(model=_MODEL.value)
   model_arg = _MODEL.value
   if model_arg != "default" and not os.path.exists(model_arg):
     raise ConfigError(f"--model={model_arg!r} does not exist; give a GGUF file, a bundle "

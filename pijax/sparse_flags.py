@@ -86,8 +86,25 @@ def _finite(value) -> bool:
   return _number(value) and math.isfinite(value)
 
 
-def check(cfg: Any = None) -> None:
-  """Checks the ranges of these flags (falling back to the config's fields), model-free.
+def _file_down_types(model: str) -> set[str]:
+  """The GGML types of a GGUF's FFN down projections, read from its header (no weights
+  loaded); empty for a bundle, a missing file or one whose header does not open (the loader
+  then says what is wrong)."""
+  from pijax.errors import PijaxError
+  from pijax.formats import gguf as gguf_io
+  try:
+    path = gguf_io.default_model_path() if model == "default" else os.fspath(model)
+    if not os.path.isfile(path):
+      return set()
+    reader, _ = gguf_io.open_gguf(path)
+  except (PijaxError, OSError, ValueError):
+    return set()
+  return {t.tensor_type.name for t in reader.tensors if t.name.endswith(".ffn_down.weight")}
+
+
+def check(cfg: Any = None, model: str | None = None) -> None:
+  """Checks the ranges of these flags (falling back to the config's fields), model-free but
+  for what the file's header says (`model`: the -m / --model path, "default" included).
 
   Called before a model loads, so a bad value fails in a second, and on a plain GGUF (where
   `configure` ignores the placement flags) it fails instead of being silently ignored.
@@ -150,6 +167,12 @@ def check(cfg: Any = None) -> None:
   if pick(GATE_SPARSE, "gate_sparse") and pick(HOST_WEIGHTS, "host_weights") == "off":
     raise ConfigError("--gate_sparse runs on quantized host weights, but --host_weights=off "
                       "keeps the weights in XLA; drop one of them.")
+  if down == "file" and model is not None:  # Else refused only once the weights are loaded.
+    types = _file_down_types(model)
+    if types and types != {"Q4_1"}:
+      raise ConfigError(f"--gate_down=file reads a Q4_1 file's own down blocks, but this file's "
+                        f"down projections are {', '.join(sorted(types))}: use "
+                        "--gate_down=q8_0 or q4_1, or drop --gate_down.")
   dot = pick(HOST_DOT, "host_dot")
   if dot is not None and (pick(SPARSE, "sparse") or "off") != "off":
     raise ConfigError("--host_dot is for dense runs on host weights of a GGUF; sparse modes and "

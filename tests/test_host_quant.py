@@ -685,6 +685,23 @@ def test_gate_flag_combinations_refused_before_loading(prog, args, names):
   assert len(proc.stderr.strip().splitlines()) == 1 and "listening" not in proc.stderr
 
 
+@pytest.mark.parametrize("prog,model_flag", [("pijax.serve", "--model"), ("pijax.bench", "-m")])
+def test_file_down_rows_of_another_type_refused_before_loading(tmp_path, prog, model_flag):
+  """--gate_down=file on a file whose down projections are not Q4_1: refused from the file's
+  header, one line naming the types, before the server listens (it was refused only after the
+  weights had loaded, in the server's loader thread)."""
+  import tiny_models
+  path = tiny_models.write_random_quantized_gguf(tmp_path / "q8.gguf", layer_type="Q8_0")
+  proc = _cli("-m", prog, model_flag, str(path), "--gate_sparse", "--gate_down=file")
+  assert proc.returncode == 2 and "--gate_down=file" in proc.stderr and "Q8_0" in proc.stderr
+  assert len(proc.stderr.strip().splitlines()) == 1 and "listening" not in proc.stderr
+  # A Q4_1 file passes the check (the loader's own refusals are not reached here).
+  from pijax import sparse_flags
+  q4 = tiny_models.write_random_quantized_gguf(tmp_path / "q4.gguf", layer_type="Q4_1")
+  assert sparse_flags._file_down_types(str(q4)) == {"Q4_1"}
+  assert sparse_flags._file_down_types(str(tmp_path / "missing.gguf")) == set()
+
+
 def test_failed_down_format_switch_leaves_the_sparse_ffn_off(monkeypatch):
   """A format switch that fails part way (here the second layer's quantization) leaves the
   gate-first FFN off and the decoder dense, never half-built rows under the old format (a
