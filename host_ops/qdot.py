@@ -173,8 +173,13 @@ def _q4_1_pairs_codegen(prefetch=False):
       pairs = builder.add(builder.call(maddubs, [lo, x0]), builder.call(maddubs, [hi, x1]))
       return builder.sitofp(builder.call(maddwd, [pairs, ones]), v8)
 
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3),
+                                         "llvm.fma.v8f32")
+
     def accumulate(acc_p, f, scale):
-      builder.store(qblocks._fmuladd(builder, f, scale, builder.load(acc_p)), acc_p)
+      # llvm.fma, not fmuladd: fmuladd may or may not fuse depending on where the dot is
+      # inlined, and the one-call layer loop must equal the per-layer loop bit for bit.
+      builder.store(builder.call(fma, [f, scale, builder.load(acc_p)]), acc_p)
 
     def scalars(b):  # (d[b] dx[b], m[b] xsum[b]) of one block.
       d_b = qblocks._half_to_float(builder, builder.load(builder.gep(dp, [b])))
