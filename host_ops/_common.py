@@ -128,6 +128,37 @@ def _prefetch(typingctx, arr, idx):
   return sig, codegen
 
 
+# Float ops emitted by the intrinsics carry this flag. "arcp" changes nothing for +, - and *, but
+# numba's fastmath pass only flags ops that have none, so these keep IEEE order and rounding.
+# With fastmath's reassoc/contract, LLVM fused and reordered them differently in-process than
+# in the object code numba caches: one Q4_1 gemv gave other last bits cold than loaded from the
+# cache, and SmolLM2's greedy text changed (BUILD_NOTES.md, issue 11).
+ORDERED = ("arcp",)
+
+
+def fadd(bd, a, b):
+  """a + b in IEEE order (`ORDERED`)."""
+  return bd.fadd(a, b, flags=ORDERED)
+
+
+def fsub(bd, a, b):
+  """a - b in IEEE order (`ORDERED`)."""
+  return bd.fsub(a, b, flags=ORDERED)
+
+
+def fmul(bd, a, b):
+  """a * b in IEEE order (`ORDERED`)."""
+  return bd.fmul(a, b, flags=ORDERED)
+
+
+def fma(bd, a, b, c):
+  """a * b + c rounded once (llvm.fma, scalar or vector of f32): never left to the optimizer."""
+  t = a.type
+  name = f"llvm.fma.v{t.count}f32" if isinstance(t, ir.VectorType) else "llvm.fma.f32"
+  fn = cgutils.get_or_insert_function(bd.module, ir.FunctionType(t, [t] * 3), name)
+  return bd.call(fn, [a, b, c])
+
+
 def emit_prefetch(builder, ptr) -> None:
   """LLVM IR of a read prefetch of the cache line at `ptr` (any pointer) into the data cache
   (llvm.prefetch, high locality): for intrinsics that prefetch inside their loops."""

@@ -215,11 +215,11 @@ def _add_group_q4_1(typingctx, acc, qs, ids, cq, cs, ts):
       scale = _splat(builder, builder.load(builder.gep(csp, [b])), _F32, 16)
       offset = _splat(builder, builder.load(builder.gep(tsp, [b])), _F32, 16)
       for h in range(2):
-        part = builder.fadd(builder.fmul(builder.sitofp(builder.sext(sums[h], vec(_I32, 16)),
-                                                        vec(_F32, 16)), scale), offset)
+        part = _common.fma(builder, builder.sitofp(builder.sext(sums[h], vec(_I32, 16)),
+                                                   vec(_F32, 16)), scale, offset)
         ptr = builder.bitcast(builder.gep(accp, [builder.add(builder.mul(
             b, ir.Constant(b.type, 32)), ir.Constant(b.type, 16 * h))]), vec(_F32, 16).as_pointer())
-        builder.store(builder.fadd(builder.load(ptr, align=4), part), ptr, align=4)
+        builder.store(_common.fadd(builder, builder.load(ptr, align=4), part), ptr, align=4)
     return context.get_dummy_value()
 
   return sig, codegen
@@ -423,10 +423,10 @@ def _add_block_file_codegen():
         m = qblocks._half_to_float(builder, qdot._load(builder, dmp, builder.add(dim, o),
                                                        vec(_I16, 16)))
         isum = builder.sitofp(builder.load(i32_p[h]), vec(_F32, 16))
-        part = builder.fadd(builder.fmul(isum, builder.fmul(d, scale_v)),
-                            builder.fmul(m, offset_v))
+        part = _common.fma(builder, isum, _common.fmul(builder, d, scale_v),
+                           _common.fmul(builder, m, offset_v))
         ptr = builder.bitcast(builder.gep(accp, [o]), vec(_F32, 16).as_pointer())
-        builder.store(builder.fadd(builder.load(ptr, align=4), part), ptr, align=4)
+        builder.store(_common.fadd(builder, builder.load(ptr, align=4), part), ptr, align=4)
     return context.get_dummy_value()
 
   return codegen

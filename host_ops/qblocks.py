@@ -153,7 +153,7 @@ def _half_to_float(bd, h, hw=None):
   o = bd.add(o, c((127 - 15) << 23))
   o_inf = bd.add(o, c((128 - 16) << 23))  # Inf/NaN: exponent all ones, mantissa kept.
   magic = ir.Constant(ft, [2.0 ** -14] * n) if vector else ir.Constant(ft, 2.0 ** -14)
-  o_sub = bd.bitcast(bd.fsub(bd.bitcast(bd.add(o, c(1 << 23)), ft), magic), it)
+  o_sub = bd.bitcast(_common.fsub(bd, bd.bitcast(bd.add(o, c(1 << 23)), ft), magic), it)
   o = bd.select(bd.icmp_unsigned("==", exp, c(0x7C00 << 13)), o_inf,
                 bd.select(bd.icmp_unsigned("==", exp, c(0)), o_sub, o))
   o = bd.or_(o, bd.shl(bd.and_(u, c(0x8000)), c(16)))
@@ -245,7 +245,7 @@ def _centered(bd, codes, d, center, unsigned):
   the offset -center * d instead (the same values, exactly: d * code and center * d are exact
   in f32), which lets the integer dot skip the sign transfer."""
   if unsigned:
-    return _Group(codes, d, bd.fmul(d, ir.Constant(_F32, -float(center))), 0)
+    return _Group(codes, d, _common.fmul(bd, d, ir.Constant(_F32, -float(center))), 0)
   return _Group(bd.sub(codes, _const(_I8, [center] * 32)), d, None, 0)
 
 
@@ -291,8 +291,8 @@ def _k_scale_min(bd, p, o):
 def _k_unit(bd, p, o, five, unsigned=False):
   """Q4_K (five False) or Q5_K super-block: 8 groups, scale d * sc_j, offset -dmin * m_j."""
   sc, mn = _k_scale_min(bd, p, o)
-  scales = bd.fmul(bd.uitofp(sc, _vec(_F32, 8)), _splat(bd, _f16_at(bd, p, o), 8))
-  offsets = bd.fneg(bd.fmul(bd.uitofp(mn, _vec(_F32, 8)),
+  scales = _common.fmul(bd, bd.uitofp(sc, _vec(_F32, 8)), _splat(bd, _f16_at(bd, p, o), 8))
+  offsets = bd.fneg(_common.fmul(bd, bd.uitofp(mn, _vec(_F32, 8)),
                             _splat(bd, _f16_at(bd, p, _add(bd, o, 2)), 8)))
   qs_at = 48 if five else 16
   qh = _load(bd, p, _add(bd, o, 16), _vec(_I8, 32)) if five else None
@@ -309,8 +309,9 @@ def _k_unit(bd, p, o, five, unsigned=False):
 
 def _q6_k_unit(bd, p, o, unsigned=False):
   d = _f16_at(bd, p, _add(bd, o, 208))
-  scales = bd.fmul(bd.sitofp(_load(bd, p, _add(bd, o, 192), _vec(_I8, 16)), _vec(_F32, 16)),
-                   _splat(bd, d, 16))  # <16 x float>: d * the scale of each 16 values.
+  # <16 x float>: d * the scale of each 16 values.
+  scales = _common.fmul(bd, bd.sitofp(_load(bd, p, _add(bd, o, 192), _vec(_I8, 16)),
+                                      _vec(_F32, 16)), _splat(bd, d, 16))
   groups = []
   for h in range(2):
     ql = [_load(bd, p, _add(bd, o, 64 * h + 32 * k), _vec(_I8, 32)) for k in range(2)]
@@ -371,8 +372,9 @@ def _hsum(bd, v):
   """<2^k x float> -> float, halving pairwise (a fixed order: reproducible results)."""
   while v.type.count > 2:
     lo, hi = _halves(bd, v)
-    v = bd.fadd(lo, hi)
-  return bd.fadd(bd.extract_element(v, _const(_I32, 0)), bd.extract_element(v, _const(_I32, 1)))
+    v = _common.fadd(bd, lo, hi)
+  return _common.fadd(bd, bd.extract_element(v, _const(_I32, 0)),
+                      bd.extract_element(v, _const(_I32, 1)))
 
 
 def _row_dot_codegen(kind):
@@ -401,12 +403,12 @@ def _row_dot_codegen(kind):
         x_lo = _load(bd, x.data, at, _vec(_F32, 16))
         x_hi = _load(bd, x.data, _add(bd, at, 16), _vec(_F32, 16))
         if isinstance(g.scale, tuple):  # One scale per 16 values.
-          acc = _fmuladd(bd, bd.fmul(q_lo, x_lo), _bcast(bd, g.scale[0], 16), acc)
-          acc = _fmuladd(bd, bd.fmul(q_hi, x_hi), _bcast(bd, g.scale[1], 16), acc)
+          acc = _fmuladd(bd, _common.fmul(bd, q_lo, x_lo), _bcast(bd, g.scale[0], 16), acc)
+          acc = _fmuladd(bd, _common.fmul(bd, q_hi, x_hi), _bcast(bd, g.scale[1], 16), acc)
         elif g.scale is None:
           acc = _fmuladd(bd, q_hi, x_hi, _fmuladd(bd, q_lo, x_lo, acc))
         else:
-          t = _fmuladd(bd, q_hi, x_hi, bd.fmul(q_lo, x_lo))
+          t = _fmuladd(bd, q_hi, x_hi, _common.fmul(bd, q_lo, x_lo))
           acc = _fmuladd(bd, t, _bcast(bd, g.scale, 16), acc)
         accs[k % 2] = acc
       for acc_p, acc in zip(acc_ps, accs):
@@ -419,9 +421,9 @@ def _row_dot_codegen(kind):
         (g,) = unit.groups
         s = bd.load(bd.gep(xsum.data, [sums_at]))
         bd.store(_fmuladd(bd, g.offset, s, bd.load(bias1_p)), bias1_p)
-    acc = bd.fadd(bd.load(acc_ps[0]), bd.load(acc_ps[1]))
-    total = bd.fadd(_hsum(bd, acc), _hsum(bd, bd.load(bias_p)))
-    return bd.fadd(total, bd.load(bias1_p))
+    acc = _common.fadd(bd, bd.load(acc_ps[0]), bd.load(acc_ps[1]))
+    total = _common.fadd(bd, _hsum(bd, acc), _hsum(bd, bd.load(bias_p)))
+    return _common.fadd(bd, total, bd.load(bias1_p))
 
   return codegen
 
@@ -440,12 +442,12 @@ def _row_dequant_codegen(kind):
         vals = _float_codes(bd, g)
         if isinstance(g.scale, tuple):
           lo, hi = _halves(bd, vals)
-          vals = _concat(bd, bd.fmul(lo, _bcast(bd, g.scale[0], 16)),
-                         bd.fmul(hi, _bcast(bd, g.scale[1], 16)))
+          vals = _concat(bd, _common.fmul(bd, lo, _bcast(bd, g.scale[0], 16)),
+                         _common.fmul(bd, hi, _bcast(bd, g.scale[1], 16)))
         elif g.scale is not None:
-          vals = bd.fmul(vals, _bcast(bd, g.scale, 32))
+          vals = _common.fmul(bd, vals, _bcast(bd, g.scale, 32))
         if g.offset is not None:
-          vals = bd.fadd(vals, _bcast(bd, g.offset, 32))
+          vals = _common.fadd(bd, vals, _bcast(bd, g.offset, 32))
         ptr = bd.gep(out.data, [_add(bd, base, g.start)])
         bd.store(vals, bd.bitcast(ptr, _vec(_F32).as_pointer()), align=1)
     return context.get_dummy_value()
@@ -502,13 +504,13 @@ def _row_dot_int8_codegen(kind):
           w, xv = bd.call(psign, [w, w]), bd.call(psign, [xv, w])
         isum = bd.sitofp(bd.call(maddwd, [bd.call(maddubs, [w, xv]), ones]), _vec(_F32, 8))
         if isinstance(g.scale, _Lane) and dx8 is not None:  # Q4_K/Q5_K: lane j, group j.
-          vec = scaled.setdefault(id(g.scale.vec), bd.fmul(g.scale.vec, dx8))
+          vec = scaled.setdefault(id(g.scale.vec), _common.fmul(bd, g.scale.vec, dx8))
           scale = _bcast(bd, _Lane(vec, g.scale.lane), 8)
         elif isinstance(g.scale, tuple) and dx8 is not None:  # Q6_K: lanes 2j, 2j + 1, group j.
           first, second = g.scale
           if id(first.vec) not in scaled:
             dx16 = bd.shuffle_vector(dx8, dx8, _const(_I32, [lane // 2 for lane in range(16)]))
-            scaled[id(first.vec)] = bd.fmul(first.vec, dx16)
+            scaled[id(first.vec)] = _common.fmul(bd, first.vec, dx16)
           vec = scaled[id(first.vec)]
           scale = bd.shuffle_vector(vec, vec, _const(_I32, [first.lane] * 4 + [second.lane] * 4))
         else:
@@ -517,9 +519,9 @@ def _row_dot_int8_codegen(kind):
             first, second = g.scale
             pair = bd.shuffle_vector(first.vec, first.vec,
                                      _const(_I32, [first.lane] * 4 + [second.lane] * 4))
-            scale = bd.fmul(pair, _splat(bd, dxg, 8))
+            scale = _common.fmul(bd, pair, _splat(bd, dxg, 8))
           else:
-            scale = _splat(bd, bd.fmul(g.scale, dxg), 8)
+            scale = _splat(bd, _common.fmul(bd, g.scale, dxg), 8)
         accs[k % 2] = _fmuladd(bd, isum, scale, accs[k % 2])
       for acc_p, acc in zip(acc_ps, accs):
         bd.store(acc, acc_p)
@@ -530,9 +532,9 @@ def _row_dot_int8_codegen(kind):
         (g,) = unit.groups
         s = bd.load(bd.gep(xsum.data, [sums_at]))
         bd.store(_fmuladd(bd, g.offset, s, bd.load(bias1_p)), bias1_p)
-    acc = bd.fadd(bd.load(acc_ps[0]), bd.load(acc_ps[1]))
-    total = bd.fadd(_hsum(bd, acc), _hsum(bd, bd.load(bias_p)))
-    return bd.fadd(total, bd.load(bias1_p))
+    acc = _common.fadd(bd, bd.load(acc_ps[0]), bd.load(acc_ps[1]))
+    total = _common.fadd(bd, _hsum(bd, acc), _hsum(bd, bd.load(bias_p)))
+    return _common.fadd(bd, total, bd.load(bias1_p))
 
   return codegen
 

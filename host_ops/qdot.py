@@ -27,8 +27,8 @@ and 4-7 block b+1; the scales of eight blocks are widened and multiplied in one 
 About 2.5x fewer instructions per block than one block per step: the 7B-shaped gate matvec
 from L3 1090 -> 650 us, from DRAM 1090 -> 820-880 us (BUILD_NOTES.md, issue 11).
 
-Needs AVX2 (every x86-64 CPU since 2013); `AVAILABLE` is False elsewhere and callers keep the
-f32 kernels of `host_ops.qmatmul`. Layout per STYLE.md: intrinsics -> numba kernels ->
+Needs AVX2 and FMA (every x86-64 CPU since 2013); `AVAILABLE` is False elsewhere and callers
+keep the f32 kernels of `host_ops.qmatmul`. Layout per STYLE.md: intrinsics -> numba kernels ->
 NumPy references (`quantize_x_reference`, `matmul_reference`).
 """
 
@@ -56,9 +56,10 @@ def _host_has_avx2() -> bool:
   if platform.machine().lower() not in ("x86_64", "amd64"):
     return False
   try:
-    return bool(llvmlite.binding.get_host_cpu_features().get("avx2"))
+    features = llvmlite.binding.get_host_cpu_features()
   except RuntimeError:  # No feature list on this host: do not guess.
     return False
+  return bool(features.get("avx2") and features.get("fma"))  # The sums use llvm.fma.
 
 
 # Whether the integer kernels can run here. numba compiles for the host CPU, so an intrinsic is
@@ -115,18 +116,17 @@ def _row_dot_codegen(prefetch=False):
       isum = builder.call(maddwd, [builder.call(maddubs, [w, x]), ones])
       # d holds f16 bits (as the file): widened here, one vcvtph2ps per block with F16C.
       d_b = qblocks._half_to_float(builder, builder.load(builder.gep(dp, [b])))
-      scale = builder.fmul(d_b, builder.load(builder.gep(sp, [b])))
+      scale = _common.fmul(builder, d_b, builder.load(builder.gep(sp, [b])))
       splat = builder.shuffle_vector(
           builder.insert_element(ir.Constant(_vec(_F32, 8), ir.Undefined), scale,
                                  ir.Constant(_I32, 0)),
           ir.Constant(_vec(_F32, 8), ir.Undefined), lanes)
       acc = builder.load(acc_p)
-      builder.store(builder.fadd(acc, builder.fmul(builder.sitofp(isum, _vec(_F32, 8)), splat)),
-                    acc_p)
+      builder.store(_common.fma(builder, builder.sitofp(isum, _vec(_F32, 8)), splat, acc), acc_p)
     acc = builder.load(acc_p)
     parts = [builder.extract_element(acc, ir.Constant(_I32, k)) for k in range(8)]
     while len(parts) > 1:  # Pairwise: a fixed order, so results are reproducible.
-      parts = [builder.fadd(parts[k], parts[k + 1]) for k in range(0, len(parts), 2)]
+      parts = [_common.fadd(builder, parts[k], parts[k + 1]) for k in range(0, len(parts), 2)]
     return parts[0]
 
   return codegen
@@ -173,25 +173,20 @@ def _q4_1_pairs_codegen(prefetch=False):
       pairs = builder.add(builder.call(maddubs, [lo, x0]), builder.call(maddubs, [hi, x1]))
       return builder.sitofp(builder.call(maddwd, [pairs, ones]), v8)
 
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3),
-                                         "llvm.fma.v8f32")
-
     def accumulate(acc_p, f, scale):
-      # llvm.fma, not fmuladd: fmuladd may or may not fuse depending on where the dot is
-      # inlined, and the one-call layer loop must equal the per-layer loop bit for bit.
-      builder.store(builder.call(fma, [f, scale, builder.load(acc_p)]), acc_p)
+      builder.store(_common.fma(builder, f, scale, builder.load(acc_p)), acc_p)
 
     def scalars(b):  # (d[b] dx[b], m[b] xsum[b]) of one block.
       d_b = qblocks._half_to_float(builder, builder.load(builder.gep(dp, [b])))
       m_b = qblocks._half_to_float(builder, builder.load(builder.gep(mp, [b])))
-      return (builder.fmul(d_b, builder.load(builder.gep(dxp, [b]))),
-              builder.fmul(m_b, builder.load(builder.gep(sump, [b]))))
+      return (_common.fmul(builder, d_b, builder.load(builder.gep(dxp, [b]))),
+              _common.fmul(builder, m_b, builder.load(builder.gep(sump, [b]))))
 
     groups = builder.lshr(nb, c(3))
     with cgutils.for_range(builder, groups) as loop:
       base = builder.shl(loop.index, c(3))
       d8 = qblocks._half_to_float(builder, _load(builder, dp, base, _vec(_I16, 8)))
-      scale8 = builder.fmul(d8, _load(builder, dxp, base, v8))
+      scale8 = _common.fmul(builder, d8, _load(builder, dxp, base, v8))
       m8 = qblocks._half_to_float(builder, _load(builder, mp, base, _vec(_I16, 8)))
       accumulate(acc_m, m8, _load(builder, sump, base, v8))
       for k in range(4):
@@ -211,7 +206,7 @@ def _q4_1_pairs_codegen(prefetch=False):
           ir.Constant(v8, ir.Undefined), s0, ir.Constant(_I32, 0)), s1, ir.Constant(_I32, 1))
       accumulate(accs[0], pair_sums(blk), builder.shuffle_vector(
           two, ir.Constant(v8, ir.Undefined), ir.Constant(_vec(_I32, 8), [0] * 4 + [1] * 4)))
-      builder.store(builder.fadd(builder.load(tail), builder.fadd(o0, o1)), tail)
+      builder.store(_common.fadd(builder, builder.load(tail), _common.fadd(builder, o0, o1)), tail)
     with cgutils.for_range_slice(builder, builder.shl(builder.lshr(nb, c(1)), c(1)), nb, c(1),
                                  inc=True) as (b, _):  # The last block of an odd count.
       raw = _load(builder, wp, builder.mul(b, c(16)), _vec(_I8, 16))
@@ -224,11 +219,11 @@ def _q4_1_pairs_codegen(prefetch=False):
       while len(parts) > 1:
         parts = [builder.add(parts[k], parts[k + 1]) for k in range(0, len(parts), 2)]
       s0, o0 = scalars(b)
-      builder.store(builder.fadd(builder.load(tail), builder.fadd(
-          builder.fmul(builder.sitofp(parts[0], _F32), s0), o0)), tail)
-    acc = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
+      builder.store(_common.fadd(builder, builder.load(tail), _common.fadd(builder, 
+          _common.fmul(builder, builder.sitofp(parts[0], _F32), s0), o0)), tail)
+    acc = _common.fadd(builder, _common.fadd(builder, builder.load(accs[0]), builder.load(accs[1])),
                        builder.load(acc_m))
-    return builder.fadd(qblocks._hsum(builder, acc), builder.load(tail))
+    return _common.fadd(builder, qblocks._hsum(builder, acc), builder.load(tail))
 
   return codegen
 

@@ -107,14 +107,15 @@ def test_prompt_longer_than_context():
 
 @pytest.mark.slow
 def test_generate_streams_text_and_stats(smollm2_path):
-  proc = _run(CONFIG, "--prompt=The capital of France is", "--max_new_tokens=12")
+  # f32 products on both sides. With int8 activations the logits move by up to ~1 between code
+  # numba compiled in this process and the same kernels loaded from its disk cache (fastmath
+  # parallel kernels; BUILD_NOTES.md, issue 11), and this subprocess and pytest's process can
+  # hold either; at f32 the two differ in the last bits only.
+  proc = _run(CONFIG, "--prompt=The capital of France is", "--max_new_tokens=12", "--host_dot=f32")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  # The CLI runs the host weights with int8 activations on a CPU: the library in that mode gives
-  # the same text. (XLA's f32 pass continues " Paris.\n\nThe" with " answer" at a logit margin
-  # of 0.22, which int8 activations flip to " United", as llama.cpp's can.)
   import pijax
   model = pijax.load(smollm2_path, max_seq_len=2048)
-  assert model.configure_host_weights("auto") == "gguf"
+  assert model.configure_host_weights("auto", dot="f32") == "gguf"
   want = model.generate("The capital of France is", max_new_tokens=12).text
   assert proc.stdout == want + "\n"
   last = proc.stderr.strip().splitlines()[-1]
