@@ -26,6 +26,7 @@ import numpy as np
 from llvmlite import ir
 from numba.core import cgutils
 from numba.core import types
+import numba.extending
 from numba.extending import intrinsic
 
 # Family codes passed to the numba kernels (strings cannot select a branch cheaply inside them).
@@ -42,6 +43,12 @@ _SILU_FLOOR = -80.0
 # error_model "numpy": a float division by zero gives inf/nan (as NumPy) instead of raising
 # ZeroDivisionError out of a kernel (seen with NaN weights in a corrupt file).
 _JIT = dict(nogil=True, fastmath=True, cache=True, error_model="numpy")
+# fastmath without reassoc and contract (and without nnan/ninf: -inf is a value here): for
+# kernels inside parallel regions whose results must not depend on how LLVM optimized them.
+# numba re-optimizes a parallel kernel's gufunc where a caller links it, and caches that copy,
+# while the process that compiled it runs the first one; with reassoc the two sum in other
+# orders (BUILD_NOTES.md, issue 11, "Compiled in-process or loaded ...").
+_JIT_ORDERED = dict(_JIT, fastmath={"nsz", "arcp", "afn"})
 
 # Software prefetch of the next active neuron's rows: PREFETCH_AHEAD neurons ahead in a thread's
 # range (0 = off; read at each call), the first PREFETCH_BYTES of each row and Q8 scale row (fixed
@@ -313,3 +320,86 @@ def sparse_ffn_reference(rows_of, x, ids, family: str) -> np.ndarray:
     y[r] = a @ down
   y = y.astype(np.float32)
   return y[0] if squeeze else y
+
+
+_F32 = ir.FloatType()
+_V8 = ir.VectorType(_F32, 8)
+
+
+def _hsum8(bd, v):
+  """<8 x float> -> float, halving pairwise in a fixed order."""
+  for m in (4, 2, 1):
+    lo = bd.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), m), list(range(m))))
+    hi = bd.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), m),
+                                             list(range(m, 2 * m))))
+    v = fadd(bd, lo, hi)
+  return bd.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+
+@intrinsic
+def _dot_f32_c(typingctx, a, b):
+  """`dot_f32` on C-contiguous arrays. Eight lanes, four
+  accumulators per 32 values, the rest into the first, then a fixed pairwise sum and the tail:
+  one order whatever fastmath lets LLVM do to the caller (`ORDERED`), so the same bits compiled
+  in-process or loaded from numba's cache (BUILD_NOTES.md, issue 11)."""
+  for t in (a, b):
+    if not (isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
+            and t.layout == "C"):
+      return None
+  sig = types.float32(a, b)
+
+  def codegen(context, builder, signature, args):
+    ap, bp = (context.make_array(t)(context, builder, v).data
+              for t, v in zip(signature.args, args))
+    n = builder.extract_value(context.make_array(signature.args[0])(
+        context, builder, args[0]).shape, 0)
+    it = n.type
+
+    def load8(p, off):
+      return builder.load(builder.bitcast(builder.gep(p, [off]), _V8.as_pointer()), align=4)
+
+    def step(acc_p, off):
+      builder.store(fma(builder, load8(ap, off), load8(bp, off), builder.load(acc_p)), acc_p)
+
+    zero = ir.Constant(_V8, [0.0] * 8)
+    accs = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
+    groups = builder.lshr(n, ir.Constant(it, 5))
+    with cgutils.for_range(builder, groups) as loop:
+      base = builder.shl(loop.index, ir.Constant(it, 5))
+      for k in range(4):
+        step(accs[k], builder.add(base, ir.Constant(it, 8 * k)))
+    with cgutils.for_range_slice(builder, builder.shl(groups, ir.Constant(it, 2)),
+                                 builder.lshr(n, ir.Constant(it, 3)), ir.Constant(it, 1),
+                                 inc=True) as (c, _):
+      step(accs[0], builder.shl(c, ir.Constant(it, 3)))
+    tail = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+    with cgutils.for_range_slice(builder, builder.shl(builder.lshr(n, ir.Constant(it, 3)),
+                                                      ir.Constant(it, 3)),
+                                 n, ir.Constant(it, 1), inc=True) as (j, _):
+      prod = fmul(builder, builder.load(builder.gep(ap, [j])), builder.load(builder.gep(bp, [j])))
+      builder.store(fadd(builder, builder.load(tail), prod), tail)
+    ld = [builder.load(p) for p in accs]
+    acc = fadd(builder, fadd(builder, ld[0], ld[1]), fadd(builder, ld[2], ld[3]))
+    return fadd(builder, _hsum8(builder, acc), builder.load(tail))
+
+  return sig, codegen
+
+
+def dot_f32(a, b):
+  """f32: sum_j a[j] b[j] for a: f32[n], b: f32[>= n], in one fixed order (numba only)."""
+  raise NotImplementedError("dot_f32 runs inside numba-compiled code only")
+
+
+@numba.extending.overload(dot_f32, jit_options=_JIT_ORDERED)
+def _dot_f32_overload(a, b):
+  """The vector intrinsic on C-contiguous rows; strided ones (never on the hot paths) a loop in
+  index order."""
+  if a.layout == "C" and b.layout == "C":
+    return lambda a, b: _dot_f32_c(a, b)
+
+  def strided(a, b):
+    acc = np.float32(0.0)
+    for j in range(a.shape[0]):
+      acc += a[j] * b[j]
+    return acc
+  return strided

@@ -161,7 +161,7 @@ def _head_norm(src, dst, scale, eps):
     dst[j] = src[j] * inv * scale[j]
 
 
-@numba.njit(parallel=True, **_common._JIT)
+@numba.njit(parallel=True, **_common._JIT_ORDERED)
 def _attention_kernel(qkv, cache_k, cache_v, pos, cos, sin, adjacent, n_heads, n_kv, scale,
                       window, q_norm, k_norm, eps):
   """Causal grouped-query attention for t new tokens, writing their keys/values to the cache.
@@ -198,11 +198,7 @@ def _attention_kernel(qkv, cache_k, cache_v, pos, cos, sin, adjacent, n_heads, n
     scores = np.empty(last + 1 - first, np.float32)
     top = np.float32(-np.inf)
     for s in range(first, last + 1):
-      acc = np.float32(0.0)
-      krow = cache_k[r, s, kv]
-      for j in range(hd):
-        acc += q[j] * krow[j]
-      acc *= scale
+      acc = _common.dot_f32(q, cache_k[r, s, kv]) * scale
       scores[s - first] = acc
       top = max(top, acc)
     total = np.float32(0.0)

@@ -277,3 +277,27 @@ def test_lowbit_predict_and_compute_matches_reference(family, quantile):
   y2, active2 = w.run_predicted(x)
   np.testing.assert_array_equal(y2, y)
   np.testing.assert_array_equal(active2, active)
+
+
+def test_dot_f32_matches_numpy_in_one_order():
+  """`_common.dot_f32` (the attention scores' dot) against float64 NumPy on random rows of every
+  length class (empty, under 8, under 32, groups of 32 plus a tail), contiguous and strided;
+  the vector path gives the strided loop's neighbour within f32 rounding."""
+  from host_ops import _common
+
+  @numba.njit
+  def dot(a, b):
+    return _common.dot_f32(a, b)
+
+  rng = np.random.default_rng(31)
+  for n in (0, 1, 7, 8, 9, 31, 32, 33, 64, 96, 100, 577):
+    a = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal(n + 5).astype(np.float32)  # Longer b: only its first n are read.
+    ref = float(np.dot(a.astype(np.float64), b[:n].astype(np.float64)))
+    got = dot(a, b)
+    assert isinstance(got, float)
+    scale = float(np.abs(a).astype(np.float64) @ np.abs(b[:n]).astype(np.float64)) + 1e-30
+    assert abs(got - ref) <= 1e-6 * scale, (n, got, ref)
+    wide = np.repeat(a, 2)[::2]  # A strided view: the loop path.
+    assert not wide.flags.c_contiguous or n <= 1
+    assert abs(dot(wide, b) - ref) <= 1e-6 * scale, n

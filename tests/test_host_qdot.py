@@ -128,6 +128,13 @@ for n, dim in ((1536, 576), (40, 2048)):
   out[f"q4_1_{dim}"] = o.copy()
   qdot.gemv_q8_0(q, d, xs, o)
   out[f"q8_0_{dim}"] = o.copy()
+from host_ops import decoder
+qkv = rng.standard_normal((1, 5, 15, 64)).astype(np.float32)
+ang = rng.uniform(0, 3, (5, 32)).astype(np.float32)
+none = np.zeros(0, np.float32)
+out["attention"] = decoder._attention_kernel(
+    qkv, np.zeros((1, 8, 3, 64), np.float32), np.zeros((1, 8, 3, 64), np.float32), 0,
+    np.cos(ang), np.sin(ang), False, 9, 3, np.float32(0.125), 0, none, none, np.float32(1e-5))
 np.savez(sys.argv[1], **out)
 """
 
@@ -135,10 +142,11 @@ np.savez(sys.argv[1], **out)
 @needs_simd
 @pytest.mark.slow
 def test_integer_dots_same_bits_compiled_or_loaded_from_cache(tmp_path):
-  """The gemvs give the same bits in the process that compiles them as in one that loads them
-  from numba's disk cache. Under fastmath the two ran differently optimized code (111 of 1536
-  Q4_1 outputs differed in the last bit), which int8 activations turned into other greedy text
-  (BUILD_NOTES.md, issue 11); the intrinsics' float ops now keep IEEE order."""
+  """The gemvs and the attention kernel give the same bits in the process that compiles them
+  as in one that loads them from numba's disk cache. Under fastmath the two ran differently
+  optimized code (111 of 1536 Q4_1 outputs, 644 of 2880 SmolLM2 attention outputs differed in
+  the last bit), which int8 activations turned into other greedy text (BUILD_NOTES.md, issue
+  11); the intrinsics' float ops keep IEEE order, attention compiles without reassoc."""
   import os
   import pathlib
   import subprocess
@@ -154,6 +162,6 @@ def test_integer_dots_same_bits_compiled_or_loaded_from_cache(tmp_path):
     if k == 0:  # The second run loads what the first compiled.
       assert list((tmp_path / "cache").rglob("qdot.gemv_q4_1-*.nbc"))
     runs.append(np.load(out))
-  assert sorted(runs[0].files) == sorted(runs[1].files) and len(runs[0].files) == 4
+  assert sorted(runs[0].files) == sorted(runs[1].files) and len(runs[0].files) == 5
   for name in runs[0].files:
     np.testing.assert_array_equal(runs[0][name], runs[1][name], err_msg=name)
