@@ -326,13 +326,12 @@ _F32 = ir.FloatType()
 _V8 = ir.VectorType(_F32, 8)
 
 
-def _hsum8(bd, v):
-  """<8 x float> -> float, halving pairwise in a fixed order."""
-  for m in (4, 2, 1):
-    lo = bd.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), m), list(range(m))))
-    hi = bd.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), m),
-                                             list(range(m, 2 * m))))
-    v = fadd(bd, lo, hi)
+def hsum(bd, v):
+  """<2^k x float> -> float, halving pairwise (a fixed order: reproducible results)."""
+  while v.type.count > 1:
+    m = v.type.count // 2
+    lanes = [ir.Constant(ir.VectorType(ir.IntType(32), m), list(range(o, o + m))) for o in (0, m)]
+    v = fadd(bd, *(bd.shuffle_vector(v, v, k) for k in lanes))
   return bd.extract_element(v, ir.Constant(ir.IntType(32), 0))
 
 
@@ -349,10 +348,10 @@ def _dot_f32_c(typingctx, a, b):
   sig = types.float32(a, b)
 
   def codegen(context, builder, signature, args):
-    ap, bp = (context.make_array(t)(context, builder, v).data
-              for t, v in zip(signature.args, args))
-    n = builder.extract_value(context.make_array(signature.args[0])(
-        context, builder, args[0]).shape, 0)
+    a_ary, b_ary = (context.make_array(t)(context, builder, v)
+                    for t, v in zip(signature.args, args))
+    ap, bp = a_ary.data, b_ary.data
+    n = builder.extract_value(a_ary.shape, 0)
     it = n.type
 
     def load8(p, off):
@@ -380,7 +379,7 @@ def _dot_f32_c(typingctx, a, b):
       builder.store(fadd(builder, builder.load(tail), prod), tail)
     ld = [builder.load(p) for p in accs]
     acc = fadd(builder, fadd(builder, ld[0], ld[1]), fadd(builder, ld[2], ld[3]))
-    return fadd(builder, _hsum8(builder, acc), builder.load(tail))
+    return fadd(builder, hsum(builder, acc), builder.load(tail))
 
   return sig, codegen
 

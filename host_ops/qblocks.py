@@ -368,15 +368,6 @@ def _fmuladd(bd, a, b, c):
   return bd.call(fn, [a, b, c])
 
 
-def _hsum(bd, v):
-  """<2^k x float> -> float, halving pairwise (a fixed order: reproducible results)."""
-  while v.type.count > 2:
-    lo, hi = _halves(bd, v)
-    v = _common.fadd(bd, lo, hi)
-  return _common.fadd(bd, bd.extract_element(v, _const(_I32, 0)),
-                      bd.extract_element(v, _const(_I32, 1)))
-
-
 def _row_dot_codegen(kind):
   """IR of a row's dot with x. Per group: t = codes[:16] * x[:16] + codes[16:] * x[16:] (16
   lanes), acc += t * scale (one multiply by the scale per 32 values, not per value); offsets
@@ -422,7 +413,7 @@ def _row_dot_codegen(kind):
         s = bd.load(bd.gep(xsum.data, [sums_at]))
         bd.store(_fmuladd(bd, g.offset, s, bd.load(bias1_p)), bias1_p)
     acc = _common.fadd(bd, bd.load(acc_ps[0]), bd.load(acc_ps[1]))
-    total = _common.fadd(bd, _hsum(bd, acc), _hsum(bd, bd.load(bias_p)))
+    total = _common.fadd(bd, _common.hsum(bd, acc), _common.hsum(bd, bd.load(bias_p)))
     return _common.fadd(bd, total, bd.load(bias1_p))
 
   return codegen
@@ -533,7 +524,7 @@ def _row_dot_int8_codegen(kind):
         s = bd.load(bd.gep(xsum.data, [sums_at]))
         bd.store(_fmuladd(bd, g.offset, s, bd.load(bias1_p)), bias1_p)
     acc = _common.fadd(bd, bd.load(acc_ps[0]), bd.load(acc_ps[1]))
-    total = _common.fadd(bd, _hsum(bd, acc), _hsum(bd, bd.load(bias_p)))
+    total = _common.fadd(bd, _common.hsum(bd, acc), _common.hsum(bd, bd.load(bias_p)))
     return _common.fadd(bd, total, bd.load(bias1_p))
 
   return codegen

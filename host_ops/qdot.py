@@ -223,7 +223,7 @@ def _q4_1_pairs_codegen(prefetch=False):
           _common.fmul(builder, builder.sitofp(parts[0], _F32), s0), o0)), tail)
     acc = _common.fadd(builder, _common.fadd(builder, builder.load(accs[0]), builder.load(accs[1])),
                        builder.load(acc_m))
-    return _common.fadd(builder, qblocks._hsum(builder, acc), builder.load(tail))
+    return _common.fadd(builder, _common.hsum(builder, acc), builder.load(tail))
 
   return codegen
 
