@@ -57,7 +57,9 @@ and that as a share of the measured read bandwidth.
 
 The machine line also gives the memory read bandwidth (`read_bandwidth`: the best of 5 integer-sum
 passes over a buffer of the cold target's size, with --threads threads; --nobandwidth skips it),
-the ceiling of every bandwidth-bound row.
+the ceiling of every bandwidth-bound row, and the same over a random half of 2560-byte rows
+(`gathered_read_bandwidth`: a 7B Q4_1 up row), the ceiling of the sparse kernels, which read only
+the rows of active neurons.
 """
 
 from __future__ import annotations
@@ -220,10 +222,13 @@ def machine_info(threads: int | None = None, backend: str | None = None) -> dict
 
 
 def format_machine(info: dict[str, Any]) -> str:
-  """`machine: <lscpu Model name>, <cores> cores, L3 <MiB>[, read bandwidth <GB/s>]; numba <v>,
-  <t> threads[; jax ...]`."""
+  """`machine: <lscpu Model name>, <cores> cores, L3 <MiB>[, read bandwidth <GB/s>[, <p>% of
+  <n>-byte rows <GB/s>]]; numba <v>, <t> threads[; jax ...]`."""
   bandwidth = (f", read bandwidth {info['read_gb_s']:.1f} GB/s ({info['threads']} threads)"
                if info.get("read_gb_s") else "")
+  if info.get("gathered_read_gb_s"):
+    bandwidth += (f", {info['gathered_fraction']:.0%} of {info['gathered_row_bytes']}-byte rows "
+                  f"{info['gathered_read_gb_s']:.1f} GB/s")
   line = (f"machine: {info['cpu']}, {info['cores']} cores, L3 {info['l3_bytes'] / 2**20:.0f} MiB"
           f"{bandwidth}; numba {info['numba']}, {info['threads']} threads")
   if info.get("backend"):
@@ -317,6 +322,67 @@ def read_bandwidth(nbytes: float, threads: int, repeats: int = 5) -> float:
     _read_all(buf, n_threads)
     best = min(best, time.perf_counter() - t0)
   return buf.nbytes / best / 1e9
+
+
+# The gathered-read figure: rows of a LLaMA-2-7B-shaped Q4_1 up matrix (4096 weights: 2048 code
+# bytes, 256 of scales, 256 of offsets), half of them read in increasing order, as the gate-first
+# FFN reads the up rows of the neurons whose gate passed (dReLU: ~50%).
+GATHER_ROW_BYTES = 2560
+GATHER_FRACTION = 0.5
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
+def _read_rows(rows, ids, n_threads):
+  """Sum of every int64 of rows[ids] (rows: i64[n, row]; ids: i64[k], increasing), ids split in
+  n_threads contiguous shares; each row's lines are prefetched while the row before is summed
+  (the decode kernels' pattern, `host_ops._common.prefetch_row`)."""
+  k = ids.shape[0]
+  partial = np.zeros(n_threads, np.int64)
+  for t in numba.prange(n_threads):
+    lo = t * k // n_threads
+    hi = (t + 1) * k // n_threads
+    acc = 0
+    if lo < hi:
+      host_common.prefetch_row(rows[ids[lo]])
+    for j in range(lo, hi):
+      if j + 1 < hi:
+        host_common.prefetch_row(rows[ids[j + 1]])
+      row = rows[ids[j]]
+      for i in range(row.shape[0]):
+        acc += row[i]
+    partial[t] = acc
+  return partial.sum()
+
+
+def gathered_read_bandwidth(nbytes: float, threads: int, *, row_bytes: int = GATHER_ROW_BYTES,
+                            fraction: float = GATHER_FRACTION, repeats: int = 5,
+                            seed: int = 0) -> float:
+  """Memory read bandwidth over scattered rows (10^9 bytes/s): the best of `repeats` passes over
+  a uniformly drawn `fraction` of the `row_bytes` rows of a fresh `nbytes` buffer, each pass on
+  a new draw, in increasing row order, with `threads` numba threads. The ceiling of the sparse
+  kernels that read only active rows; on the 2-core AMD VM it read 0.55-0.8x `read_bandwidth`
+  (BUILD_NOTES.md, issue 11).
+
+  Raises:
+    ValueError: row_bytes not a positive multiple of 8, or fraction outside (0, 1].
+  """
+  if row_bytes <= 0 or row_bytes % 8 or not 0 < fraction <= 1:
+    raise ValueError(f"row_bytes must be a positive multiple of 8 and fraction in (0, 1], got "
+                     f"{row_bytes} and {fraction}")
+  host_common.set_host_threads(threads)
+  n_threads = host_common.ensure_host_threads()
+  n = max(int(nbytes) // row_bytes, 4)
+  rows = np.ones((n, row_bytes // 8), np.int64)  # Written: real pages, not zero pages.
+  rng = np.random.default_rng(seed)
+  k = max(1, round(fraction * n))
+  _read_rows(rows, np.arange(min(k, 4), dtype=np.int64), n_threads)  # Compile / load first.
+  best = math.inf
+  for _ in range(repeats):
+    ids = np.sort(rng.choice(n, k, replace=False)).astype(np.int64)
+    t0 = time.perf_counter()
+    _read_rows(rows, ids, n_threads)
+    best = min(best, time.perf_counter() - t0)
+  return k * row_bytes / best / 1e9
 
 
 # ------------------------------------------------------------------ rows
@@ -1006,6 +1072,9 @@ def main(argv: list[str]) -> None:
   opts.cold_bytes = cold
   if OP_HOST in opts.ops and f.bandwidth:
     info["read_gb_s"] = read_bandwidth(min(cold, opts.max_bytes / 2), opts.threads)
+    info.update(gathered_read_gb_s=gathered_read_bandwidth(min(cold, opts.max_bytes / 2),
+                                                           opts.threads, seed=opts.seed),
+                gathered_row_bytes=GATHER_ROW_BYTES, gathered_fraction=GATHER_FRACTION)
   progress = (lambda s: print(s, file=sys.stderr, flush=True)) if f.progress else None
   rows = run(opts, log=progress) if f.sparse_ops else []
   matvec = (run_matvec(opts, info.get("read_gb_s"), log=progress)
@@ -1060,5 +1129,6 @@ if __name__ == "__main__":
                        "q8_0 and q4_1 rows and the file's Q4_1 blocks transposed, at 25/50/100% "
                        "active, against the dense Q4_1 down matvec).")
   flags.DEFINE_boolean("bandwidth", True, "Measure the memory read bandwidth (a pass over "
-                       "--cold_mb of memory, default 2.3 x L3) and print it on the machine line.")
+                       "--cold_mb of memory, default 2.3 x L3; and over half of its 2560-byte "
+                       "rows) and print it on the machine line.")
   cli.run(main, "pijax.bench_ops")

@@ -172,6 +172,8 @@ def test_cli_json():
   doc = json.loads(proc.stdout)
   assert {"machine", "settings", "rows"} <= set(doc)
   assert {"cpu", "cores", "l3_bytes", "numba", "threads"} <= set(doc["machine"])
+  assert doc["machine"]["read_gb_s"] > 0 and doc["machine"]["gathered_read_gb_s"] > 0
+  assert (doc["machine"]["gathered_row_bytes"], doc["machine"]["gathered_fraction"]) == (2560, 0.5)
   assert [(r["format"], r["sparsity"]) for r in doc["rows"]] == [("f32", 0.9), ("q8", 0.9)]
   for r in doc["rows"]:
     assert set(r) == ROW_KEYS and r["op"] == "host" and r["vs_dense"] is None
@@ -192,12 +194,31 @@ def test_read_bandwidth_is_a_positive_rate():
   assert 0.1 < gb_s < 10_000
 
 
+def test_read_rows_sums_exactly_the_chosen_rows():
+  rng = np.random.default_rng(5)
+  rows = rng.integers(-2**40, 2**40, (37, 320 // 8), dtype=np.int64)
+  for ids in ([], [0], [3, 4, 17, 36], list(range(37))):
+    ids = np.asarray(ids, np.int64)
+    for threads in (1, 2):
+      assert bo._read_rows(rows, ids, threads) == int(rows[ids].sum())
+
+
+def test_gathered_read_bandwidth_is_a_positive_rate():
+  for fraction in (0.5, 1.0):
+    gb_s = bo.gathered_read_bandwidth(16e6, threads=2, fraction=fraction, repeats=2)
+    assert 0.1 < gb_s < 10_000
+  for bad in ({"row_bytes": 100}, {"row_bytes": 0}, {"fraction": 0.0}, {"fraction": 1.5}):
+    with pytest.raises(ValueError, match="row_bytes must be"):
+      bo.gathered_read_bandwidth(1e6, threads=1, **bad)
+
+
 def test_cli_prints_the_read_bandwidth():
   proc = _run(*TINY, "--sparsities=0", "--formats=f32", "--noprogress")
   assert proc.returncode == 0, proc.stderr[-2000:]
   first = proc.stdout.splitlines()[0]
-  m = re.search(r"read bandwidth ([0-9.]+) GB/s \(\d+ threads\)", first)
-  assert m and float(m.group(1)) > 0, first
+  m = re.search(r"read bandwidth ([0-9.]+) GB/s \(\d+ threads\), 50% of 2560-byte rows "
+                r"([0-9.]+) GB/s;", first)
+  assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, first
 
 
 def test_matvec_copies_are_views_of_random_blocks():
