@@ -60,6 +60,16 @@ _CACHE_LINE = 64
 # llvm.prefetch's name carries its pointer type: "p0" from LLVM 15 (opaque pointers), else "p0i8".
 _PREFETCH_FN = "llvm.prefetch.p0" if llvmlite.binding.llvm_version_info[0] >= 15 else \
     "llvm.prefetch.p0i8"
+# llvm.prefetch localities: 3 (x86 `prefetcht0`, into L1) and 2 (`prefetcht1`, into L2).
+LOCALITY_L1, LOCALITY_L2 = 3, 2
+# A matvec whose x (int8, D bytes) and two rows of codes (the one read, the one prefetched) pass
+# this many bytes prefetches into L2 (`far_rows`): prefetched into L1 they evicted what was about
+# to be read. Zen 3 (32 KiB L1D), 2 threads, from DRAM, L2 / L1 time alternated in one process:
+# Q4_1 D = 4096 1.13, 5376 1.12, 7168 0.87, 8192 0.84, 11008 0.60; Q8_0 D = 2048 1.25, 4096 1.07,
+# 5376 0.90, 11008 0.57 (BUILD_NOTES.md, issue 11).
+FAR_BYTES = 12288
+# Gathered passes prefetch rows of at least this many code bytes into L2 (`far_gather`).
+GATHER_FAR_BYTES = 1024
 
 _host_threads = [None]  # The count set by set_host_threads; None: numba's default (all cores).
 
@@ -119,20 +129,30 @@ def ensure_host_threads() -> int:
   return n
 
 
-@intrinsic
-def _prefetch(typingctx, arr, idx):
-  """Hints the CPU to load the cache line holding arr[idx] (1-D array) for reading; no effect on
-  results and no fault on any address (llvm.prefetch, read, high locality, data cache)."""
-  sig = types.void(arr, idx)
+def _prefetch_codegen(locality):
+  """LLVM IR of a prefetch of arr[idx] at `locality` (`_prefetch`, `_prefetch_l2`)."""
 
   def codegen(context, builder, signature, args):
     aryty, _ = signature.args
     ary = context.make_array(aryty)(context, builder, args[0])
     ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
-    emit_prefetch(builder, ptr)
+    emit_prefetch(builder, ptr, locality)
     return context.get_dummy_value()
 
-  return sig, codegen
+  return codegen
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+  """Hints the CPU to load the cache line holding arr[idx] (1-D array) for reading; no effect on
+  results and no fault on any address (llvm.prefetch, read, into L1, data cache)."""
+  return types.void(arr, idx), _prefetch_codegen(LOCALITY_L1)
+
+
+@intrinsic
+def _prefetch_l2(typingctx, arr, idx):
+  """`_prefetch` into L2 (`prefetcht1`): for rows that would evict from L1 what is read next."""
+  return types.void(arr, idx), _prefetch_codegen(LOCALITY_L2)
 
 
 # Float ops emitted by the intrinsics carry this flag. "arcp" changes nothing for +, - and *, but
@@ -166,15 +186,16 @@ def fma(bd, a, b, c):
   return bd.call(fn, [a, b, c])
 
 
-def emit_prefetch(builder, ptr) -> None:
+def emit_prefetch(builder, ptr, locality: int = LOCALITY_L1) -> None:
   """LLVM IR of a read prefetch of the cache line at `ptr` (any pointer) into the data cache
-  (llvm.prefetch, high locality): for intrinsics that prefetch inside their loops."""
+  (llvm.prefetch; `locality` LOCALITY_L1 or LOCALITY_L2): for intrinsics that prefetch inside
+  their loops."""
   i32 = ir.IntType(32)
   fn = cgutils.get_or_insert_function(
       builder.module, ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32]),
       _PREFETCH_FN)
   builder.call(fn, [builder.bitcast(ptr, cgutils.voidptr_t), ir.Constant(i32, 0),
-                    ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                    ir.Constant(i32, locality), ir.Constant(i32, 1)])
 
 
 @numba.njit(inline="always", **_JIT)
@@ -185,6 +206,39 @@ def prefetch_row(row):
   step = max(_CACHE_LINE // row.itemsize, 1)
   for e in range(0, row.shape[0], step):
     _prefetch(row, e)
+
+
+@numba.njit(inline="always", **_JIT)
+def prefetch_row_l2(row):
+  """`prefetch_row` into L2 (the rows of matvecs that `far_rows` picks)."""
+  step = max(_CACHE_LINE // row.itemsize, 1)
+  for e in range(0, row.shape[0], step):
+    _prefetch_l2(row, e)
+
+
+@numba.njit(inline="always", **_JIT)
+def far_rows(dim, code_bytes):
+  """True when a matvec over D = dim int8 activations and rows of code_bytes prefetches into L2
+  (FAR_BYTES)."""
+  return dim + 2 * code_bytes > FAR_BYTES
+
+
+@numba.njit(inline="always", **_JIT)
+def far_gather(code_bytes):
+  """True when a gathered pass over rows of code_bytes (only some rows read, in increasing
+  order) prefetches into L2. 7B Q4_1 up rows (2048 code bytes), 50% read, from DRAM, L2 / L1
+  time alternated in one process: 0.69-0.91; SmolLM2's 288-byte rows: 0.9-1.4, so L1 below
+  1 KB (BUILD_NOTES.md, issue 11)."""
+  return code_bytes >= GATHER_FAR_BYTES
+
+
+@numba.njit(inline="always", **_JIT)
+def far_block(dim):
+  """True when the file down pass (`gated_ffn._down_threads_file_int8`) over D = dim outputs
+  prefetches into L2: a neuron block's d and m (4 D bytes) and the accumulator (4 D) pass
+  FAR_BYTES. 7B (D = 4096), 25% / 50% active, L2 / L1 time: 0.74-0.95 / 0.70-0.84; SmolLM2
+  (576): 0.95-1.27 (BUILD_NOTES.md, issue 11)."""
+  return 8 * dim > FAR_BYTES
 
 
 @numba.njit(inline="always", **_JIT)

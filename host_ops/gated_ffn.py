@@ -88,6 +88,10 @@ DOWN_BLOCK_BYTES = {qmatmul.Q8_0: (34, 0), qmatmul.Q4_1: (20, 0), DOWN_FILE: (16
 
 # Neurons ahead whose whole rows (codes and scales) a thread prefetches in each pass.
 AHEAD = 3
+# Rows ahead that the gathered up pass prefetches into L2 (`_common.far_gather`). 7B Q4_1 up
+# rows, 50% read, from DRAM, alternated in one process: 1 row 679-711 us, 2 573-635, 4 575-613,
+# 6 569-630 (BUILD_NOTES.md, issue 11).
+FAR_AHEAD = 4
 
 
 @numba.njit(inline="always", **_common._JIT)
@@ -341,8 +345,16 @@ def _add_block_file_next(typingctx, acc, qs, ids, cq, n_pairs, dm, scale, offset
   return sig, _add_block_file_codegen()
 
 
-def _add_block_file_codegen():
-  """LLVM IR of `_add_block_file_next`."""
+@intrinsic
+def _add_block_file_far(typingctx, acc, qs, ids, cq, n_pairs, dm, scale, offset, next_ids,
+                        next_n, next_dm):
+  """`_add_block_file_next` prefetching into L2 (`_common.far_block`)."""
+  sig = types.void(acc, qs, ids, cq, n_pairs, dm, scale, offset, next_ids, next_n, next_dm)
+  return sig, _add_block_file_codegen(_common.LOCALITY_L2)
+
+
+def _add_block_file_codegen(locality=_common.LOCALITY_L1):
+  """LLVM IR of `_add_block_file_next` (prefetches at `locality`)."""
 
   def codegen(context, builder, signature, args):
     accp, qsp, idp, cqp, dmp = (context.make_array(signature.args[k])(context, builder,
@@ -388,8 +400,8 @@ def _add_block_file_codegen():
       off = builder.mul(c, ir.Constant(c.type, 16))
       # The next block's d and m at these 32 outputs (64 bytes each) ...
       o32 = builder.mul(c, ir.Constant(c.type, 32))
-      _common.emit_prefetch(builder, builder.gep(ndmp, [o32]))
-      _common.emit_prefetch(builder, builder.gep(ndmp, [builder.add(dim, o32)]))
+      _common.emit_prefetch(builder, builder.gep(ndmp, [o32]), locality)
+      _common.emit_prefetch(builder, builder.gep(ndmp, [builder.add(dim, o32)]), locality)
       # ... and every 4th chunk (64 code bytes) the line at this offset of each next row.
       first = builder.icmp_unsigned("==", builder.and_(c, ir.Constant(c.type, 3)),
                                     ir.Constant(c.type, 0))
@@ -397,7 +409,7 @@ def _add_block_file_codegen():
         with cgutils.for_range(builder, next_n) as rows_loop:
           nrow = builder.load(builder.gep(nidp, [rows_loop.index]))
           _common.emit_prefetch(builder, builder.gep(qsp, [builder.add(builder.mul(nrow, half),
-                                                                       off)]))
+                                                                       off)]), locality)
       for h in range(2):
         builder.store(ir.Constant(vec(_I32, 16), [0] * 16), i32_p[h])
       for first, stop in spans:
@@ -456,9 +468,11 @@ def _down_threads_file_int8(acts, ids, counts, qs, dm, partials, n_threads):
   neuron block at a time (`_add_block_file_next`; an odd count is padded with coefficient 0 on
   a row already read), the next block's rows and scales prefetched over the current one (7B
   shapes from DRAM, 25% active: 537 -> 489 us against whole rows prefetched 32 neurons ahead;
-  the same layer from L3: 380 us)."""
+  the same layer from L3: 380 us), into L2 where a block's scales are large
+  (`_common.far_block`)."""
   xq, dx, _ = qdot.quantize_x(acts)
   blk_n = qmatmul.BLOCK
+  far = _common.far_block(dm.shape[2])
   for t in numba.prange(n_threads):
     ids_a = np.empty(blk_n, np.int64)
     cq_a = np.empty(blk_n, np.int8)
@@ -478,9 +492,14 @@ def _down_threads_file_int8(acts, ids, counts, qs, dm, partials, n_threads):
           ids_a[n] = ids_a[0]
           cq_a[n] = 0
         nblk = ids_b[0] // blk_n if n2 > 0 else blk
-        _add_block_file_next(partials[t, r], qs, ids_a, cq_a, np.int64((n + 1) // 2), dm[blk],
-                             dx[r, blk], dx[r, blk] * np.float32(isum), ids_b, np.int64(n2),
-                             dm[nblk])
+        if far:
+          _add_block_file_far(partials[t, r], qs, ids_a, cq_a, np.int64((n + 1) // 2), dm[blk],
+                              dx[r, blk], dx[r, blk] * np.float32(isum), ids_b, np.int64(n2),
+                              dm[nblk])
+        else:
+          _add_block_file_next(partials[t, r], qs, ids_a, cq_a, np.int64((n + 1) // 2),
+                               dm[blk], dx[r, blk], dx[r, blk] * np.float32(isum), ids_b,
+                               np.int64(n2), dm[nblk])
         j += n
         ids_a, ids_b = ids_b, ids_a
         cq_a, cq_b = cq_b, cq_a
@@ -747,14 +766,28 @@ def _up_pass_int8(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
   # region: in the row loop they halved its rows/s. 7B shapes from DRAM, 2 threads, 50% of
   # rows passing: 1.75-1.96x the dense gemv's time per row before, 1.28 now (BUILD_NOTES.md,
   # issue 11).
+  far = _common.far_gather(up_w.shape[1])
   for t in numba.prange(n_threads):
     for r in range(b):
       lo = t * counts[r] // n_threads
       hi = (t + 1) * counts[r] // n_threads
-      if lo < hi:
+      if far:  # Rows of >= 1 KB: prefetched into L2 (`_common.far_gather`), FAR_AHEAD ahead.
+        for j in range(lo, min(lo + FAR_AHEAD, hi)):
+          _common.prefetch_row_l2(up_w[ids[r, j]])
+      elif lo < hi:
         _common.prefetch_row(up_w[ids[r, lo]])
       for j in range(lo, hi):
         i = ids[r, j]
+        if far:
+          nxt = ids[r, j + FAR_AHEAD] if j + FAR_AHEAD < hi else i
+          _common.prefetch_row_l2(up_d[nxt])
+          if q4:
+            _common.prefetch_row_l2(up_m[nxt])
+            u[r, j] = qdot._row_dot_q4_1_pairs_far(up_w[i], up_d[i], up_m[i], xqp[r], dx[r],
+                                                   xsum[r], up_w[nxt])
+          else:
+            u[r, j] = qdot._row_dot_q8_0_far(up_w[i], up_d[i], xq[r], dx[r], up_w[nxt])
+          continue
         nxt = ids[r, j + 1] if j + 1 < hi else i
         _common.prefetch_row(up_d[nxt])
         if q4:

@@ -82,11 +82,11 @@ def _load(builder, base, offset, ty):
   return builder.load(builder.bitcast(builder.gep(base, [offset]), ty.as_pointer()), align=1)
 
 
-def _row_dot_codegen(prefetch=False):
+def _row_dot_codegen(prefetch=False, locality=_common.LOCALITY_L1):
   """LLVM IR of a Q8_0 row's sum_b d[b] dx[b] <w_b, xq_b> (see the module docstring). With
   `prefetch`, a fifth argument is the next row's codes, one cache line of which is prefetched
-  per 64 code bytes read here: spread over the row, so the prefetches never fill the core's
-  miss buffers at once as a whole-row prefetch does."""
+  (at `locality`) per 64 code bytes read here: spread over the row, so the prefetches never fill
+  the core's miss buffers at once as a whole-row prefetch does."""
 
   def codegen(context, builder, signature, args):
     arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
@@ -108,7 +108,7 @@ def _row_dot_codegen(prefetch=False):
                                       ir.Constant(b.type, 0))
         with builder.if_then(first):
           _common.emit_prefetch(builder, builder.gep(
-              np_, [builder.mul(b, ir.Constant(b.type, 32))]))
+              np_, [builder.mul(b, ir.Constant(b.type, 32))]), locality)
       x = _load(builder, xp, builder.mul(b, ir.Constant(b.type, 32)), _vec(_I8, 32))
       # s8 x s8: vpmaddubsw wants one unsigned side, so |w| and x with w's sign.
       w = _load(builder, wp, builder.mul(b, ir.Constant(b.type, 32)), _vec(_I8, 32))
@@ -132,7 +132,7 @@ def _row_dot_codegen(prefetch=False):
   return codegen
 
 
-def _q4_1_pairs_codegen(prefetch=False):
+def _q4_1_pairs_codegen(prefetch=False, locality=_common.LOCALITY_L1):
   """LLVM IR of a Q4_1 row's dot with x in the pair layout (`pair_blocks`), offsets included:
   sum_b d[b] dx[b] <w_b, xq_b> + sum_b m[b] xsum[b] (see the module docstring).
 
@@ -193,7 +193,8 @@ def _q4_1_pairs_codegen(prefetch=False):
         blk = builder.add(base, c(2 * k))
         if prefetch and k % 2 == 0:  # One line of the next row per 64 code bytes read.
           _common.emit_prefetch(builder, builder.gep(
-              builder.bitcast(arrays[6].data, cgutils.voidptr_t), [builder.mul(blk, c(16))]))
+              builder.bitcast(arrays[6].data, cgutils.voidptr_t), [builder.mul(blk, c(16))]),
+              locality)
         lanes = ir.Constant(_vec(_I32, 8), [2 * k] * 4 + [2 * k + 1] * 4)
         accumulate(accs[k % 2], pair_sums(blk),
                    builder.shuffle_vector(scale8, ir.Constant(v8, ir.Undefined), lanes))
@@ -239,6 +240,20 @@ def _row_dot_q4_1_pairs(typingctx, qs, d, m, xqp, dx, xsum):
 def _row_dot_q4_1_pairs_next(typingctx, qs, d, m, xqp, dx, xsum, next_qs):
   """`_row_dot_q4_1_pairs`, prefetching next_qs (u8[D/2], the row read next) over the row."""
   return types.float32(qs, d, m, xqp, dx, xsum, next_qs), _q4_1_pairs_codegen(prefetch=True)
+
+
+@intrinsic
+def _row_dot_q4_1_pairs_far(typingctx, qs, d, m, xqp, dx, xsum, next_qs):
+  """`_row_dot_q4_1_pairs_next` prefetching into L2 (`_common.far_rows`)."""
+  return (types.float32(qs, d, m, xqp, dx, xsum, next_qs),
+          _q4_1_pairs_codegen(prefetch=True, locality=_common.LOCALITY_L2))
+
+
+@intrinsic
+def _row_dot_q8_0_far(typingctx, q, d, xq, dx, next_q):
+  """`_row_dot_q8_0_next` prefetching into L2 (`_common.far_rows`)."""
+  return types.float32(q, d, xq, dx, next_q), _row_dot_codegen(prefetch=True,
+                                                                locality=_common.LOCALITY_L2)
 
 
 @intrinsic
@@ -318,8 +333,16 @@ def gemv_q4_1(qs, d, m, x, out):
   xqp = pair_blocks(xq)
   n = qs.shape[0]
   spread = qs.shape[1] >= SPREAD_MIN_BYTES
+  far = _common.far_rows(x.shape[1], qs.shape[1])
   for i in numba.prange(n):
-    if spread:
+    if far:  # Long rows: the next row prefetched into L2 (`_common.FAR_BYTES`).
+      if i + 2 < n:
+        _common.prefetch_row_l2(d[i + 2])
+        _common.prefetch_row_l2(m[i + 2])
+      nxt = min(i + 1, n - 1)
+      for r in range(x.shape[0]):
+        out[r, i] = _row_dot_q4_1_pairs_far(qs[i], d[i], m[i], xqp[r], dx[r], xsum[r], qs[nxt])
+    elif spread:
       if i + 2 < n:
         _common.prefetch_row(d[i + 2])
         _common.prefetch_row(m[i + 2])
@@ -340,8 +363,15 @@ def gemv_q8_0(q, d, x, out):
   xq, dx, _ = quantize_x(x)
   n = q.shape[0]
   spread = q.shape[1] >= SPREAD_MIN_BYTES
+  far = _common.far_rows(x.shape[1], q.shape[1])
   for i in numba.prange(n):
-    if spread:
+    if far:  # As gemv_q4_1.
+      if i + 2 < n:
+        _common.prefetch_row_l2(d[i + 2])
+      nxt = min(i + 1, n - 1)
+      for r in range(x.shape[0]):
+        out[r, i] = _row_dot_q8_0_far(q[i], d[i], xq[r], dx[r], q[nxt])
+    elif spread:
       if i + 2 < n:
         _common.prefetch_row(d[i + 2])
       nxt = min(i + 1, n - 1)

@@ -334,9 +334,11 @@ GATHER_FRACTION = 0.5
 @numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
 def _read_rows(rows, ids, n_threads):
   """Sum of every int64 of rows[ids] (rows: i64[n, row]; ids: i64[k], increasing), ids split in
-  n_threads contiguous shares; each row's lines are prefetched while the row before is summed
-  (the decode kernels' pattern, `host_ops._common.prefetch_row`)."""
+  n_threads contiguous shares; each row's lines are prefetched while the row before is summed,
+  into L2 for rows of >= 1 KB as the gathered decode kernels do (`host_ops._common.far_gather`:
+  into L1 this read 11-12 GB/s over half of 2560-byte rows on the AMD VM, into L2 21-25)."""
   k = ids.shape[0]
+  far = host_common.far_gather(rows.shape[1] * 8)
   partial = np.zeros(n_threads, np.int64)
   for t in numba.prange(n_threads):
     lo = t * k // n_threads
@@ -345,7 +347,9 @@ def _read_rows(rows, ids, n_threads):
     if lo < hi:
       host_common.prefetch_row(rows[ids[lo]])
     for j in range(lo, hi):
-      if j + 1 < hi:
+      if j + 1 < hi and far:
+        host_common.prefetch_row_l2(rows[ids[j + 1]])
+      elif j + 1 < hi:
         host_common.prefetch_row(rows[ids[j + 1]])
       row = rows[ids[j]]
       for i in range(row.shape[0]):
@@ -360,8 +364,8 @@ def gathered_read_bandwidth(nbytes: float, threads: int, *, row_bytes: int = GAT
   """Memory read bandwidth over scattered rows (10^9 bytes/s): the best of `repeats` passes over
   a uniformly drawn `fraction` of the `row_bytes` rows of a fresh `nbytes` buffer, each pass on
   a new draw, in increasing row order, with `threads` numba threads. The ceiling of the sparse
-  kernels that read only active rows; on the 2-core AMD VM it read 0.55-0.8x `read_bandwidth`
-  (BUILD_NOTES.md, issue 11).
+  kernels that read only active rows; on the 2-core AMD VM about `read_bandwidth` with the
+  prefetches into L2, 0.55-0.8x of it into L1 (BUILD_NOTES.md, issue 11).
 
   Raises:
     ValueError: row_bytes not a positive multiple of 8, or fraction outside (0, 1].

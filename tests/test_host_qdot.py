@@ -61,9 +61,10 @@ def test_quantize_x_matches_reference(dim):
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 # 2080: rows of >= qdot.SPREAD_MIN_BYTES code bytes in both formats (the next row prefetched
 # over the current one), an odd 65 blocks. Q4_1 takes blocks in pairs, scales in groups of 8:
-# 32 and 96 a lone last block, 224 three left-over pairs, 448 a group and three pairs.
+# 32 and 96 a lone last block, 224 three left-over pairs, 448 a group and three pairs. 6208:
+# past _common.FAR_BYTES in both formats (the next row prefetched into L2), a left-over pair.
 @pytest.mark.parametrize("n,dim", [(1, 32), (37, 96), (7, 224), (5, 448), (300, 576), (65, 1536),
-                                   (9, 2080)])
+                                   (9, 2080), (5, 6208)])
 @pytest.mark.parametrize("b", [1, 3, qmatmul.GEMV_MAX_ROWS])
 def test_gemv_matches_reference(kind, n, dim, b):
   rng = np.random.default_rng(n * dim + b)
@@ -75,6 +76,15 @@ def test_gemv_matches_reference(kind, n, dim, b):
   # The f32 product it approximates: the activation rounding only (~1/254 of a block's max).
   exact = qmatmul.matmul_reference(w, x)
   assert np.abs(got - exact).max() <= 3e-2 * np.abs(exact).max()
+
+
+def test_far_rows_prefetch_into_l2_past_the_measured_crossover():
+  # (D, code bytes per row): 7B's Q4_1 up rows and Q8_0 rows of 4096 stay in L1, its Q4_1 down
+  # rows (11008) and Q8_0 rows of 5376 go to L2 (the measurements at _common.FAR_BYTES).
+  assert not _common.far_rows(4096, 2048) and not _common.far_rows(5376, 2688)
+  assert not _common.far_rows(4096, 4096) and not _common.far_rows(576, 576)
+  assert _common.far_rows(7168, 3584) and _common.far_rows(11008, 5504)
+  assert _common.far_rows(5376, 5376) and _common.far_rows(6208, 3104)
 
 
 @needs_simd
