@@ -14,6 +14,11 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "active")
 os.environ.setdefault("GOMP_SPINCOUNT", "2000000")
 
+from host_ops import _cache  # noqa: E402
+
+# Before any kernel module is imported: their cache entries are keyed on all of host_ops.
+_cache.install()
+
 from host_ops._common import HostOpError, get_host_threads, set_host_threads  # noqa: E402
 
 __all__ = ["HostOpError", "get_host_threads", "set_host_threads"]

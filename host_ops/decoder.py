@@ -308,8 +308,8 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
   rows neuron-major in dt ([L, F, ...] Q8_0 or Q4_1 arrays); layer i's fraction of neurons
   computed (down rows read) is written to active[i], of neurons whose gate passed (up rows
   read) to passed[i].
-  (numba's disk cache keys this function on decoder.py only: after editing a kernel it calls
-  in another file, clear host_ops/__pycache__/*.nb[ic].)"""
+  (numba's disk cache keys it on every host_ops source, not on decoder.py only:
+  `host_ops._cache`.)"""
   rows = x.shape[0]
   qkv_bias, q_norms, k_norms, post_attn, post_ffn = extras
   qkv = np.empty((rows, (n_heads + 2 * n_kv) * head_dim), np.float32)

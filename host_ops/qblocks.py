@@ -50,9 +50,8 @@ f16 -> f32: `fpext half` (vcvtph2ps) where the CPU has F16C, else integer bit ma
 (`_half_to_float(hw=False)`, exact for zeros, subnormals, inf and NaN); both are tested on all
 65536 halves.
 
-numba's on-disk cache keys a kernel on its own file only: the kernels in `host_ops.qmatmul`
-inline this module's IR, so after editing this file delete host_ops/__pycache__/qmatmul.*.nb?
-(or touch qmatmul.py) before timing or testing.
+The kernels in `host_ops.qmatmul` inline this module's IR; numba's on-disk cache keys them on
+every host_ops source (`host_ops._cache`), so an edit here recompiles them.
 
 Layout per STYLE.md: IR helpers -> per-format unit emitters -> intrinsics (`_row_dot_*`,
 `_row_dot_int8_*`, `_row_dequant_*`) -> `row_dot` / `row_dot_int8` / `row_dequant` (dispatch on
