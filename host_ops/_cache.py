@@ -23,21 +23,32 @@ _DIR = pathlib.Path(__file__).resolve().parent
 
 
 @functools.lru_cache(maxsize=None)
-def _stamp(directory: str, files: tuple[tuple[str, int, int], ...]) -> bytes:
+def _stamp(directory: str, files: tuple[tuple[str, int, int, int], ...]) -> bytes:
   digest = hashlib.sha256()
-  for name, _, _ in files:
-    digest.update(name.encode() + b"\0")
-    digest.update((pathlib.Path(directory) / name).read_bytes())
+  for name, *_ in files:
+    try:
+      data = (pathlib.Path(directory) / name).read_bytes()
+    except OSError:  # Gone since the listing: stamped as missing.
+      data = b"\0missing"
+    digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
   return digest.digest()
 
 
 def package_stamp(directory: str | os.PathLike[str] = _DIR) -> bytes:
-  """SHA-256 (32 bytes) over the names and contents of directory/*.py, in name order; re-read
-  when a file's mtime or size changes. Raises OSError when a file cannot be read."""
+  """SHA-256 (32 bytes) over the names and contents of directory/*.py, in name order, skipping
+  hidden names (editor lock files such as `.#qdot.py`) and files that cannot be read; re-read
+  when a file's mtime, ctime or size changes."""
   directory = pathlib.Path(directory)
-  files = tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size)
-                       for p in directory.glob("*.py")))
-  return _stamp(str(directory), files)
+  files = []
+  for p in directory.glob("*.py"):
+    if p.name.startswith("."):
+      continue
+    try:
+      st = p.stat()
+    except OSError:  # A dangling link, or removed since the listing.
+      continue
+    files.append((p.name, st.st_mtime_ns, st.st_ctime_ns, st.st_size))
+  return _stamp(str(directory), tuple(sorted(files)))
 
 
 class PackageLocator:
@@ -46,6 +57,10 @@ class PackageLocator:
 
   def __init__(self, inner):
     self._inner = inner
+    self._py_file = getattr(inner, "_py_file", None)  # numba's warnings read it.
+
+  def __getattr__(self, name):  # Anything else numba asks of a locator: the inner one's.
+    return getattr(self._inner, name)
 
   @classmethod
   def from_function(cls, py_func, py_file):

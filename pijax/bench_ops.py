@@ -283,7 +283,7 @@ def _read_lines(buf, lo, hi):
 _READ_AHEAD = 128
 
 
-@numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
+@numba.njit(parallel=True, nogil=True, error_model="numpy")  # Not cached: as `_read_rows`.
 def _read_all(buf, n_threads):
   """Sum of every int64 of buf, split in n_threads contiguous shares, each prefetching
   _READ_AHEAD ahead (integer adds vectorize without fastmath, so the loop runs at memory speed,
@@ -331,7 +331,8 @@ GATHER_ROW_BYTES = 2560
 GATHER_FRACTION = 0.5
 
 
-@numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
+# Not cached on disk: it inlines host_ops._common, and numba would key a cache on this file only.
+@numba.njit(parallel=True, nogil=True, error_model="numpy")
 def _read_rows(rows, ids, n_threads):
   """Sum of every int64 of rows[ids] (rows: i64[n, row]; ids: i64[k], increasing), ids split in
   n_threads contiguous shares; each row's lines are prefetched while the row before is summed,

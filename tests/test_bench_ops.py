@@ -196,11 +196,12 @@ def test_read_bandwidth_is_a_positive_rate():
 
 def test_read_rows_sums_exactly_the_chosen_rows():
   rng = np.random.default_rng(5)
-  rows = rng.integers(-2**40, 2**40, (37, 320 // 8), dtype=np.int64)
-  for ids in ([], [0], [3, 4, 17, 36], list(range(37))):
-    ids = np.asarray(ids, np.int64)
-    for threads in (1, 2):
-      assert bo._read_rows(rows, ids, threads) == int(rows[ids].sum())
+  for row_bytes in (320, 2560):  # Prefetched into L1, and into L2 (rows of >= 1 KB).
+    rows = rng.integers(-2**40, 2**40, (37, row_bytes // 8), dtype=np.int64)
+    for ids in ([], [0], [3, 4, 17, 36], list(range(37))):
+      ids = np.asarray(ids, np.int64)
+      for threads in (1, 2):
+        assert bo._read_rows(rows, ids, threads) == int(rows[ids].sum())
 
 
 def test_gathered_read_bandwidth_is_a_positive_rate():

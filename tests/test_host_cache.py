@@ -15,17 +15,27 @@ HOST_OPS = pathlib.Path(_cache.__file__).resolve().parent
 
 
 def test_package_stamp_follows_every_source_file(tmp_path):
-  (tmp_path / "a.py").write_text("x = 1\n")
-  (tmp_path / "b.py").write_text("y = 2\n")
+  step = [10**9]
+
+  def write(name, text):  # Each write gets its own mtime, whatever the clock's granularity.
+    path = tmp_path / name
+    path.write_text(text)
+    step[0] += 10**9
+    os.utime(path, ns=(step[0], step[0]))
+
+  write("a.py", "x = 1\n")
+  write("b.py", "y = 2\n")
   first = _cache.package_stamp(tmp_path)
   assert len(first) == 32 and _cache.package_stamp(tmp_path) == first
   (tmp_path / "notes.txt").write_text("not a source")
+  os.symlink("me@host.1:1", tmp_path / ".#a.py")  # An editor's lock file: a dangling link.
+  os.symlink("gone.py", tmp_path / "d.py")  # A dangling source link: skipped, no error.
   assert _cache.package_stamp(tmp_path) == first
-  (tmp_path / "b.py").write_text("y = 3\n")  # Same size, other content.
+  write("b.py", "y = 3\n")  # Same size, other content.
   assert _cache.package_stamp(tmp_path) != first
-  (tmp_path / "b.py").write_text("y = 2\n")
+  write("b.py", "y = 2\n")
   assert _cache.package_stamp(tmp_path) == first
-  (tmp_path / "c.py").write_text("")
+  write("c.py", "")
   assert _cache.package_stamp(tmp_path) != first
 
 
@@ -43,6 +53,8 @@ def test_host_ops_functions_are_stamped_with_the_package():
       os.environ.get("NUMBA_CACHE_DIR")
   # Functions outside host_ops keep numba's own locator and stamp.
   assert not isinstance(_outside._cache._impl.locator, _cache.PackageLocator)
+  # numba's warnings about uncachable functions read the locator's file.
+  assert pathlib.Path(locator._py_file).resolve() == HOST_OPS / "qdot.py"
 
 
 _RUN = """
