@@ -198,6 +198,27 @@ def emit_prefetch(builder, ptr, locality: int = LOCALITY_L1) -> None:
                     ir.Constant(i32, locality), ir.Constant(i32, 1)])
 
 
+def empty_aligned(shape, dtype) -> np.ndarray:
+  """np.empty(shape, dtype), C-contiguous, its data starting on a cache line (64 bytes; NumPy
+  gives 16). Rows whose bytes are a multiple of 64 then start on a line, so `prefetch_row`
+  covers them whole: at 16 bytes off, each 2 KB 7B up row spanned 33 lines and its last one
+  was a demand miss (gathered up pass at 50% 743-777 -> 671-709 us; BUILD_NOTES.md, issue 11)."""
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  buf = np.empty(nbytes + _CACHE_LINE, np.uint8)
+  start = -buf.ctypes.data % _CACHE_LINE
+  return buf[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def stack_aligned(parts) -> np.ndarray:
+  """np.stack(parts) into an `empty_aligned` array."""
+  parts = [np.asarray(p) for p in parts]
+  out = empty_aligned((len(parts),) + parts[0].shape, np.result_type(*parts))
+  for i, p in enumerate(parts):
+    out[i] = p
+  return out
+
+
 @numba.njit(inline="always", **_JIT)
 def prefetch_row(row):
   """Prefetches every cache line of a contiguous 1-D row (any dtype): the next row a thread

@@ -480,7 +480,7 @@ class HostDecoder:
                np.stack([layer.ffn_norm for layer in self.layers])]
     for role in self._ROLES:  # One role at a time: the old copy of a role is freed as we go.
       kind = getattr(self.layers[0], role).kind
-      arrays = tuple(np.stack(parts) for parts in
+      arrays = tuple(_common.stack_aligned(parts) for parts in
                      zip(*(getattr(layer, role).arrays for layer in self.layers)))
       for i, layer in enumerate(self.layers):
         setattr(layer, role, qmatmul.QMatrix(kind, tuple(a[i] for a in arrays)))
@@ -578,7 +578,8 @@ class HostDecoder:
           w = quantize(np.ascontiguousarray(layer.down.dequantize().T))
         if self._stacked is not None:  # Stacked for `_layers_kernel`; each layer views its slice.
           if i == 0:
-            stacked_t = tuple(np.empty((self.n_layers,) + a.shape, a.dtype) for a in w.arrays)
+            stacked_t = tuple(_common.empty_aligned((self.n_layers,) + a.shape, a.dtype)
+                              for a in w.arrays)
           for stacked, a in zip(stacked_t, w.arrays):
             stacked[i] = a
           views = tuple(a[i] for a in stacked_t)

@@ -87,6 +87,20 @@ def test_far_rows_prefetch_into_l2_past_the_measured_crossover():
   assert _common.far_rows(5376, 5376) and _common.far_rows(6208, 3104)
 
 
+@pytest.mark.parametrize("shape,dtype", [((3, 1000), np.uint8), ((2, 7, 5), np.uint16),
+                                         ((0, 4), np.float32), ((5,), np.int8)])
+def test_empty_aligned_starts_on_a_cache_line(shape, dtype):
+  rng = np.random.default_rng(len(shape))
+  for _ in range(4):  # Several allocations: NumPy's own start varies.
+    a = _common.empty_aligned(shape, dtype)
+    assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
+    assert a.ctypes.data % 64 == 0 or a.size == 0
+  parts = [rng.integers(0, 100, shape).astype(dtype) for _ in range(3)]
+  stacked = _common.stack_aligned(parts)
+  np.testing.assert_array_equal(stacked, np.stack(parts))
+  assert stacked.dtype == dtype and (stacked.ctypes.data % 64 == 0 or stacked.size == 0)
+
+
 @needs_simd
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_gemv_extreme_codes_do_not_saturate(kind):

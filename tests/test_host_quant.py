@@ -194,11 +194,15 @@ def test_decoder_fused_layers_equal_per_layer_loop(kind, dot, family, down):
   assert np.shares_memory(dec.layers[1].down.arrays[0],
                           dec._stacked[2 + dec._ROLES.index("down")][0])
   assert np.shares_memory(dec.layers[0].attn_norm, dec._stacked[0])
+  # Stacked weights start on a cache line (`_common.empty_aligned`).
+  assert all(a.ctypes.data % 64 == 0 for role in dec._stacked[2:2 + len(dec._ROLES)]
+             for a in role)
   if family is not None:
     cuts = dec.calibrate_gate_cuts([rng.integers(0, 50, 12) for _ in range(3)], 0.4)
     dec.enable_gated(cuts, down_format=down)
     assert dec.down_format == down
     assert np.shares_memory(dec._down_t[1].arrays[0], dec._stacked_down_t[0])
+    assert all(a.ctypes.data % 64 == 0 for a in dec._stacked_down_t)
   tokens = rng.integers(0, 50, (2, 12))
   runs, actives = [], []
   for stacked in (dec._stacked, None):
