@@ -198,6 +198,24 @@ def emit_prefetch(builder, ptr, locality: int = LOCALITY_L1) -> None:
                     ir.Constant(i32, locality), ir.Constant(i32, 1)])
 
 
+@intrinsic
+def cycle_counter(typingctx):
+  """The CPU's cycle counter as i64 (llvm.readcyclecounter: x86 `rdtsc`, which ticks at a
+  constant rate whatever the clock): per-phase timing inside compiled loops
+  (`decoder.PHASES`)."""
+  def codegen(context, builder, sig, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                        "llvm.readcyclecounter")
+    return builder.call(fn, [])
+  return types.int64(), codegen
+
+
+@numba.njit(**_JIT)
+def read_cycle_counter():
+  """`cycle_counter` from Python (to convert counts to seconds)."""
+  return cycle_counter()
+
+
 def empty_aligned(shape, dtype) -> np.ndarray:
   """np.empty(shape, dtype), C-contiguous, its data starting on a cache line (64 bytes; NumPy
   gives 16). Rows whose bytes are a multiple of 64 then start on a line, so `prefetch_row`

@@ -260,13 +260,33 @@ def _layer_matmul_overload(w, i, x, out, int8):
   return q8_0 if qdot.AVAILABLE else q8_0_f32
 
 
-def _layer_gated(up_w, i, g, h, dt, cuts, code, n_threads, int8):
-  """(y, active) of the gate-first FFN of layer i (numba only; see the overload below)."""
+# What `_layers_kernel` times per layer when asked (`HostDecoder.phase_cycles`): the attention
+# norm and q/k/v matmul, attention, the output matmul with the residual and the FFN norm, the
+# gate matmul, then up and down: the matmuls (dense) or the gate-first up and down passes.
+PHASES = ("qkv", "attention", "attn_out", "gate", "up", "down")
+# Placeholder when nothing is timed.
+_NO_PHASES = np.zeros((0, len(PHASES)), np.int64)
+
+
+@numba.njit(inline="always", **_common._JIT)
+def _stamp(phases, i, k, t_prev):
+  """Adds the cycles since t_prev to phases[i, k] and returns now (nothing when phases is
+  empty)."""
+  if phases.shape[0] == 0:
+    return t_prev
+  now = _common.cycle_counter()
+  phases[i, k] += now - t_prev
+  return now
+
+
+def _layer_gated(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
+  """(y, active, passed, t) of the gate-first FFN of layer i, its up and down passes timed into
+  phases (`_stamp`) from t_prev (numba only; see the overload below)."""
   raise NotImplementedError("_layer_gated runs inside numba-compiled code only")
 
 
 @numba_extending.overload(_layer_gated, jit_options=_common._JIT)
-def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8):
+def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
   """`gated_ffn.gated_ffn`'s kernel for stacked up rows (Q4_1 (qs, d, m) or Q8_0 (q, d), each
   [L, F, ...]) and stacked neuron-major down rows dt: Q8_0 (i8[L, F, D], u16[L, F, D/32]) or
   Q4_1 (u8[L, F, D/2], u16[L, F, D/32] twice); the integer kernel only where qdot.AVAILABLE."""
@@ -279,24 +299,33 @@ def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8):
     layer_dt = lambda dt, i: (dt[0][i], dt[1][i])  # noqa: E731
   layer_dt = numba.njit(inline="always", **_common._JIT)(layer_dt)
   if not qdot.AVAILABLE:
-    def f32_only(up_w, i, g, h, dt, cuts, code, n_threads, int8):
-      return gated_lib._gated_kernel(g, h, up_w[0][i], up_w[1][i], up_w[m][i], layer_dt(dt, i),
-                                     cuts, code, n_threads, block, q4)
+    def f32_only(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
+      acts, passed = gated_lib._up_pass(g, h, up_w[0][i], up_w[1][i], up_w[m][i], cuts, code,
+                                        n_threads, q4)
+      t_prev = _stamp(phases, i, 4, t_prev)
+      y, counts = gated_lib._down_pass(acts, layer_dt(dt, i), n_threads, block, False)
+      return y, counts, passed, _stamp(phases, i, 5, t_prev)
     return f32_only
 
-  def impl(up_w, i, g, h, dt, cuts, code, n_threads, int8):
+  def impl(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
+    # `_gated_int8_kernel` / `_gated_kernel` inlined, timed per pass (PHASES "up", "down").
     if int8:
-      return gated_lib._gated_int8_kernel(g, h, up_w[0][i], up_w[1][i], up_w[m][i],
-                                          layer_dt(dt, i), cuts, code, n_threads, block, q4)
-    return gated_lib._gated_kernel(g, h, up_w[0][i], up_w[1][i], up_w[m][i], layer_dt(dt, i),
-                                   cuts, code, n_threads, block, q4)
+      acts, passed = gated_lib._up_pass_int8(g, h, up_w[0][i], up_w[1][i], up_w[m][i], cuts,
+                                             code, n_threads, q4)
+    else:
+      acts, passed = gated_lib._up_pass(g, h, up_w[0][i], up_w[1][i], up_w[m][i], cuts, code,
+                                        n_threads, q4)
+    t_prev = _stamp(phases, i, 4, t_prev)
+    y, counts = gated_lib._down_pass(acts, layer_dt(dt, i), n_threads, block, int8)
+    return y, counts, passed, _stamp(phases, i, 5, t_prev)
   return impl
 
 
 @numba.njit(**_common._JIT)
 def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, down_w, extras,
                    cache_k, cache_v, pos, cos, sin, rope_of, windows, adjacent, n_heads, n_kv,
-                   head_dim, scale, eps, code, int8, cuts, dt, active, passed, n_threads):
+                   head_dim, scale, eps, code, int8, cuts, dt, active, passed, n_threads,
+                   phases):
   """Every layer of the decoder in one compiled call (the same kernels, in the same order, as
   `HostDecoder.forward`'s per-layer loop, so the same result bit for bit, without ~8 Python
   calls per layer). x: f32[b t, D] embeddings -> f32[b t, D] after the last layer.
@@ -307,7 +336,8 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
   Gate-first FFN (`gated_ffn`) when cuts (f32[L, 2]: gate, contribution) is not empty: down
   rows neuron-major in dt ([L, F, ...] Q8_0 or Q4_1 arrays); layer i's fraction of neurons
   computed (down rows read) is written to active[i], of neurons whose gate passed (up rows
-  read) to passed[i].
+  read) to passed[i]. phases: i64[L, len(PHASES)] gets each layer's cycles per phase added
+  (`_common.cycle_counter`), or [0, len(PHASES)]: nothing timed.
   (numba's disk cache keys it on every host_ops source, not on decoder.py only:
   `host_ops._cache`.)"""
   rows = x.shape[0]
@@ -318,28 +348,36 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
   f = gate_w[0].shape[1]
   g = np.empty((rows, f), np.float32)
   u = np.empty((rows, f), np.float32)
+  t_prev = _common.cycle_counter() if phases.shape[0] else 0
   for i in range(attn_norms.shape[0]):
     _layer_matmul(qkv_w, i, _rms_norm_kernel(x, attn_norms[i], eps), qkv, int8)
     if qkv_bias.shape[1]:
       for r in range(rows):
         qkv[r] += qkv_bias[i]
+    t_prev = _stamp(phases, i, 0, t_prev)
     attn = _attention_kernel(qkv.reshape(b, t, n_heads + 2 * n_kv, head_dim), cache_k[i],
                              cache_v[i], pos, cos[rope_of[i]], sin[rope_of[i]], adjacent, n_heads,
                              n_kv, scale, windows[i], q_norms[i], k_norms[i], eps)
+    t_prev = _stamp(phases, i, 1, t_prev)
     _layer_matmul(out_w, i, attn, attn_proj, int8)
     if post_attn.shape[1]:
       x = x + _rms_norm_kernel(attn_proj, post_attn[i], eps)
     else:
       x = x + attn_proj
     h = _rms_norm_kernel(x, ffn_norms[i], eps)
+    t_prev = _stamp(phases, i, 2, t_prev)
     _layer_matmul(gate_w, i, h, g, int8)
+    t_prev = _stamp(phases, i, 3, t_prev)
     if cuts.shape[0]:
-      ffn, counts, passed_i = _layer_gated(up_w, i, g, h, dt, cuts[i], code, n_threads, int8)
+      ffn, counts, passed_i, t_prev = _layer_gated(up_w, i, g, h, dt, cuts[i], code, n_threads,
+                                                   int8, phases, t_prev)
       active[i] = counts.sum() / (rows * f)
       passed[i] = passed_i.sum() / (rows * f)
     else:
       _layer_matmul(up_w, i, h, u, int8)
+      t_prev = _stamp(phases, i, 4, t_prev)
       _layer_matmul(down_w, i, _activation_kernel(g, u, code), ffn, int8)
+      t_prev = _stamp(phases, i, 5, t_prev)
     if post_ffn.shape[1]:
       x = x + _rms_norm_kernel(ffn, post_ffn[i], eps)
     else:
@@ -417,6 +455,9 @@ class HostDecoder:
     # Sums over gate-first forward passes of mean(last_active), mean(last_passed): the up rows
     # read per computed neuron, for the bytes per token (`ffn_bytes_per_token`).
     self.read_sums = np.zeros(2)
+    # i64[L, len(PHASES)]: when set, the one-call layer loop adds each layer's cycles per phase
+    # (`_layers_kernel`; the per-layer loop times nothing). None: nothing timed.
+    self.phase_cycles = None
     self.family = family
     self.eps = float(eps)
     self.embedding = embedding
@@ -716,7 +757,8 @@ class HostDecoder:
                          self._rope_of, self.windows, self.rope_adjacent, n, k, hd,
                          np.float32(self.attn_scale), self.eps, self.code,
                          self.dot == qmatmul.DOT_INT8, cuts, dt, self.last_active,
-                         self.last_passed, n_threads)
+                         self.last_passed, n_threads,
+                         _NO_PHASES if self.phase_cycles is None else self.phase_cycles)
       layers = ()
     else:
       layers = self.layers

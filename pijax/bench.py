@@ -85,12 +85,14 @@ def bench_prefill(model, n_prompt: int, reps: int, seed: int = 0) -> BenchResult
   return BenchResult(f"pp{n_prompt}", rates, compile_s, 1.0 - float(np.mean(active)))
 
 
-def bench_decode(model, n_gen: int, reps: int, seed: int = 0, switch=None):
+def bench_decode(model, n_gen: int, reps: int, seed: int = 0, switch=None, before_rep=None):
   """tg<n_gen>: tokens/s of n_gen decode steps after a 1-token prompt, mean over reps.
 
   switch: None, or switch(sparse: bool) turning the loaded model's sparse FFN on or off; then
   every repetition times the dense FFN and then the sparse one, interleaved in this process on
   the same weights, and the result is (sparse, dense) BenchResults.
+  before_rep: None, or called with the mode (None, or False / True as for switch) before each
+  repetition, the warm-up included (`profile_layers` points the phase counters at the mode's).
   """
   if not 1 <= n_gen < model.max_seq_len:
     raise ConfigError(f"-n {n_gen} must be in [1, max_seq_len={model.max_seq_len}).")
@@ -124,6 +126,8 @@ def bench_decode(model, n_gen: int, reps: int, seed: int = 0, switch=None):
       for m in modes:
         if switch is not None:
           switch(m)
+        if before_rep is not None:
+          before_rep(m)
         rate, act = one_rep()
         if rep:
           rates[m].append(rate)
@@ -151,12 +155,28 @@ def weights_size_bytes(model) -> int:
   return model.backend.weight_bytes()
 
 
+def _phase_decoder(model):
+  """The host decoder whose layer loop `--profile_layers` times; ConfigError when there is none
+  or it runs the per-layer loop (layers of mixed formats), which is not timed."""
+  dec = getattr(model.backend, "decoder", None)
+  if dec is None or getattr(dec, "_stacked", None) is None:
+    raise ConfigError("--profile_layers times the host weights' one-call layer loop: use a "
+                      "Q4_1 or Q8_0 GGUF on a CPU run (host weights), or drop the flag.")
+  return dec
+
+
 def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
-        interleave_dense: bool = False) -> list[dict[str, Any]]:
+        interleave_dense: bool = False, profile_layers: bool = False) -> list[dict[str, Any]]:
   """The bench rows (dicts). interleave_dense: with the host gate-first sparse FFN on, tg also
   times the same model's dense FFN in alternate repetitions (a row with mode "off", and
-  "vs_dense" on the sparse row: the ratio of mean tokens/s). Raises ConfigError when
-  interleave_dense is asked for any other mode."""
+  "vs_dense" on the sparse row: the ratio of mean tokens/s). profile_layers: each tg row gets
+  "layer_us", the mean microseconds per layer and decoded token of each phase of the host
+  layer loop (`host_ops.decoder.PHASES`, from the CPU's cycle counter; warm-up included).
+  Raises ConfigError when interleave_dense is asked for any other mode, or profile_layers
+  without host weights' one-call layer loop."""
+  if profile_layers and not n_gen:
+    raise ConfigError("--profile_layers times decode: give -n > 0, or drop the flag.")
+  dec_phases = _phase_decoder(model) if profile_layers else None
   switch = None
   if interleave_dense:
     if model.sparse_mode not in ("gate", "contribution") or not n_gen:
@@ -169,8 +189,26 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
   tests = []
   if n_prompt:
     tests.append((bench_prefill(model, n_prompt, reps), model.sparse_mode))
+  layer_us = {}
   if n_gen:
-    r = bench_decode(model, n_gen, reps, switch=switch)
+    before_rep = None
+    if dec_phases is not None:
+      from host_ops import _common as host_common
+      from host_ops import decoder as host_decoder
+      counts = {m: np.zeros((dec_phases.n_layers, len(host_decoder.PHASES)), np.int64)
+                for m in ((None,) if switch is None else (False, True))}
+      before_rep = lambda m: setattr(dec_phases, "phase_cycles", counts[m])  # noqa: E731
+      c0, t0 = host_common.read_cycle_counter(), time.perf_counter()
+    try:
+      r = bench_decode(model, n_gen, reps, switch=switch, before_rep=before_rep)
+    finally:
+      if dec_phases is not None:
+        dec_phases.phase_cycles = None
+    if dec_phases is not None:
+      hz = (host_common.read_cycle_counter() - c0) / (time.perf_counter() - t0)
+      steps = (reps + 1) * n_gen * dec_phases.n_layers
+      layer_us = {m: {p: float(c[:, k].sum() / hz / steps * 1e6)
+                      for k, p in enumerate(host_decoder.PHASES)} for m, c in counts.items()}
     tests += [(r[0], model.sparse_mode), (r[1], "off")] if switch else [(r, model.sparse_mode)]
   size = weights_size_bytes(model)
   rows = []
@@ -186,6 +224,8 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
         read = dense
       row.update(weight_bytes_per_token=read, dense_weight_bytes_per_token=dense,
                  implied_gb_s=read * r.mean / 1e9, ideal_speedup=dense / read)
+      if layer_us:
+        row["layer_us"] = layer_us[False if mode == "off" else (True if switch else None)]
     rows.append(row)
   if switch:
     rows[-2]["vs_dense"] = rows[-2]["t_s_mean"] / rows[-1]["t_s_mean"]
@@ -214,6 +254,10 @@ def format_markdown(rows: list[dict[str, Any]]) -> str:
       extra += (f"; vs the dense FFN interleaved in this process {r['vs_dense']:.3f}x "
                 f"({100 * gain:.0f}% of the ideal gain)")
     out.append(extra)
+    if "layer_us" in r:
+      phases = " | ".join(f"{p} {us:.0f}" for p, us in r["layer_us"].items())
+      out.append(f"{r['test']} ({r['mode']}) us per layer per token: {phases} | sum "
+                 f"{sum(r['layer_us'].values()):.0f}")
   return "\n".join(out)
 
 
@@ -277,7 +321,7 @@ def main(argv: list[str]) -> None:
   check_flags(f)
   model, threads = load_for_bench(f)
   rows = run(model, n_prompt=f.n_prompt, n_gen=f.n_gen, reps=f.repetitions, threads=threads,
-             interleave_dense=f.interleave_dense)
+             interleave_dense=f.interleave_dense, profile_layers=f.profile_layers)
   if f.output == "json":
     sys.stdout.write(json.dumps(rows, indent=1) + "\n")
   else:
@@ -285,6 +329,11 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  from absl import flags as absl_flags
   from pijax import cli
   define_flags()
+  absl_flags.DEFINE_bool("profile_layers", False, "Host weights: also print the microseconds "
+                         "per layer and token of each phase of the layer loop (q/k/v, "
+                         "attention, output, gate, up, down; the up and down passes with "
+                         "--gate_sparse), from the CPU's cycle counter.")
   cli.run(main, "pijax.bench")

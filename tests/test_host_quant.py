@@ -205,12 +205,20 @@ def test_decoder_fused_layers_equal_per_layer_loop(kind, dot, family, down):
     assert all(a.ctypes.data % 64 == 0 for a in dec._stacked_down_t)
   tokens = rng.integers(0, 50, (2, 12))
   runs, actives = [], []
+  # The one-call loop runs with its phase counters on (`--profile_layers`): same results, and
+  # every phase of every layer counted; the per-layer loop counts nothing.
+  phases = np.zeros((dec.n_layers, len(decoder_lib.PHASES)), np.int64)
+  dec.phase_cycles = phases
   for stacked in (dec._stacked, None):
     dec._stacked = stacked
     cid = dec.new_cache(2, 16)
     runs.append([dec.forward(cid, tokens[:, :10], 0),
                  dec.forward(cid, tokens[:, 10:11], 10), dec.forward(cid, tokens[:, 11:], 11)])
     actives.append(dec.last_active.copy())
+    if stacked is not None:
+      assert (phases > 0).all()
+      counted = phases.copy()
+  np.testing.assert_array_equal(phases, counted)
   for fused, loop in zip(*runs):
     if family is not None and dec.dot == "f32":
       # The gate-first FFN with f32 products differs in the last bits between the two paths in

@@ -97,11 +97,18 @@ def test_bench_interleaves_dense_and_gate_sparse_decode(tmp_path):
   synthetic.write(str(path), shape="tiny", qtype="Q4_1", activation="drelu")
   bench = [sys.executable, "-m", "pijax.bench", "-m", str(path), "-p", "0", "-n", "6", "-r", "2",
            "-t", "1"]
-  proc = subprocess.run(bench + ["--gate_sparse", "--interleave_dense", "-o", "json"],
+  proc = subprocess.run(bench + ["--gate_sparse", "--interleave_dense", "--profile_layers",
+                                 "-o", "json"],
                         capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-2000:]
   gate, dense = json.loads(proc.stdout)
   assert (gate["mode"], dense["mode"]) == ("gate", "off")
+  # --profile_layers: each mode's microseconds per layer and token, every phase counted, and
+  # together less than a token takes (the embedding, final norm and logits are outside).
+  from host_ops import decoder as decoder_lib
+  for row in (gate, dense):
+    assert list(row["layer_us"]) == list(decoder_lib.PHASES)
+    assert all(us > 0 for us in row["layer_us"].values())
   assert gate["reps"] == dense["reps"] == 2 and dense["ffn_sparsity"] == 0.0
   assert 0.6 < gate["ffn_sparsity"] < 0.85
   assert gate["vs_dense"] == pytest.approx(gate["t_s_mean"] / dense["t_s_mean"])
@@ -111,6 +118,8 @@ def test_bench_interleaves_dense_and_gate_sparse_decode(tmp_path):
   model.configure_host_weights("auto", gate_sparse=True, dot="int8")
   dec = model.backend.decoder
   dec.forward(dec.new_cache(1, 8), np.asarray([[1, 5, 9, 300, 42]]), 0)
+  for row in (gate, dense):
+    assert sum(row["layer_us"].values()) * dec.n_layers < 1e6 / row["t_s_mean"]
   active = 1 - gate["ffn_sparsity"]
   passed_over_active = dec.read_sums[1] / dec.read_sums[0]
   assert 1.5 < passed_over_active < 2.6  # dReLU: up rows for g > 0, down rows for u > 0 too.
@@ -121,6 +130,11 @@ def test_bench_interleaves_dense_and_gate_sparse_decode(tmp_path):
   proc = subprocess.run(bench + ["--interleave_dense"], capture_output=True, text=True,
                         timeout=600, cwd=ROOT)
   assert proc.returncode == 2 and "--interleave_dense" in proc.stderr
+  assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0
+  # --profile_layers times the host layer loop: refused on the f32 XLA path, one line.
+  proc = subprocess.run(bench + ["--profile_layers", "--host_weights=off"], capture_output=True,
+                        text=True, timeout=600, cwd=ROOT)
+  assert proc.returncode == 2 and "--profile_layers" in proc.stderr
   assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0
   # Q4_1 down rows: 20 bytes per 32 weights of an active neuron, against the default file
   # layout's 16 plus 4 for every neuron's scales.
