@@ -448,6 +448,7 @@ class HostDecoder:
     self.contribution_cuts = None  # Per-layer |act| cuts of the down rows (None: all 0).
     self._down_t = None  # Per-layer neuron-major down rows for it (Q8_0 or Q4_1).
     self._stacked_down_t = None  # The same rows stacked [L, F, ...] for `_layers_kernel`.
+    self._up_records = None  # ReLU families' gate-first up rows as records (`_build_up_records`).
     self._record = None  # Calibration: per-layer lists of |act_gate(g)| (calibrate_gate_cuts).
     self._record_contribution = False  # ... or of |act(g, u)|.
     self.last_active = np.ones(len(layers), np.float32)  # Active FFN fraction, last forward.
@@ -628,10 +629,33 @@ class HostDecoder:
               qmatmul.QMatrix(down_format, views)
         down_t.append(w)
       self._down_t, self._stacked_down_t = down_t, stacked_t
+    if self._up_records is None and self._stacked is not None and self.code in (1, 2):
+      self._up_records = self._build_up_records()
     self.gate_cuts = cuts
     self.contribution_cuts = None if contribution_cuts is None else ccuts
     # What `_layers_kernel` reads, once, not per pass: f32[L, 2] (gate cut, contribution cut).
     self._cuts = np.ascontiguousarray(np.stack([cuts, ccuts], axis=1), np.float32)
+
+  def _build_up_records(self):
+    """The stacked up rows again, each row's codes and scales side by side in one record
+    (views into u8[L, F, R], R the row's bytes rounded up to 64, every record on a cache line),
+    for the gathered up pass of ReLU families (gate-first reads only the rows whose gate
+    passes). One 2560-byte gathered read per 7B Q4_1 row instead of three (2048 + 256 + 256):
+    the up pass at 50% / 25% of rows 708-758 -> 514-601 / 406-433 -> 282-302 us. Dense matvecs
+    keep the separate arrays: over records the hardware prefetcher lost them (1.0 -> 1.5 ms;
+    BUILD_NOTES.md, issue 11). A second copy of up, as `_down_t` is of down."""
+    parts = self._stacked[2 + self._ROLES.index("up")]
+    n_layers, f = parts[0].shape[:2]
+    widths = [a.shape[2] * a.itemsize for a in parts]
+    row = -(-sum(widths) // 64) * 64
+    buf = _common.empty_aligned((n_layers, f, row), np.uint8)
+    views, start = [], 0
+    for a, width in zip(parts, widths):
+      view = buf[:, :, start:start + width].view(a.dtype)
+      view[...] = a
+      views.append(view)
+      start += width
+    return tuple(views)
 
   def _cut_list(self, name: str, values) -> list[float]:
     """values as n_layers floats (each finite in f32 and >= 0), or HostOpError."""
@@ -749,11 +773,15 @@ class HostDecoder:
       x *= np.float32(self.embedding_scale)
     if self._stacked is not None and self._record is None:
       n_threads = _common.ensure_host_threads()
+      stacked = self._stacked
       if self.gate_cuts is None:
         cuts, dt = np.zeros((0, 2), np.float32), _NO_DOWN_T
       else:
         cuts, dt = self._cuts, self._stacked_down_t
-      x = _layers_kernel(x, b, t, *self._stacked, cache.k, cache.v, pos, cos, sin,
+        if self._up_records is not None:
+          up = 2 + self._ROLES.index("up")
+          stacked = stacked[:up] + (self._up_records,) + stacked[up + 1:]
+      x = _layers_kernel(x, b, t, *stacked, cache.k, cache.v, pos, cos, sin,
                          self._rope_of, self.windows, self.rope_adjacent, n, k, hd,
                          np.float32(self.attn_scale), self.eps, self.code,
                          self.dot == qmatmul.DOT_INT8, cuts, dt, self.last_active,

@@ -203,6 +203,18 @@ def test_decoder_fused_layers_equal_per_layer_loop(kind, dot, family, down):
     assert dec.down_format == down
     assert np.shares_memory(dec._down_t[1].arrays[0], dec._stacked_down_t[0])
     assert all(a.ctypes.data % 64 == 0 for a in dec._stacked_down_t)
+    # ReLU families read their up rows as records (codes and scales side by side, each record
+    # on a cache line), the same values as the stacked up arrays; SwiGLU keeps the arrays.
+    up = dec._stacked[2 + dec._ROLES.index("up")]
+    if family == "drelu":
+      codes = dec._up_records[0]  # Each record starts with its codes.
+      assert len(dec._up_records) == len(up)
+      assert codes.ctypes.data % 64 == 0 and codes.strides[1] % 64 == 0
+      for rec, a in zip(dec._up_records, up):
+        np.testing.assert_array_equal(rec, a)
+        assert not np.shares_memory(rec, a)
+    else:
+      assert dec._up_records is None
   tokens = rng.integers(0, 50, (2, 12))
   runs, actives = [], []
   # The one-call loop runs with its phase counters on (`--profile_layers`): same results, and
