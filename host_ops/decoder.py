@@ -262,7 +262,8 @@ def _layer_matmul_overload(w, i, x, out, int8):
 
 # What `_layers_kernel` times per layer when asked (`HostDecoder.phase_cycles`): the attention
 # norm and q/k/v matmul, attention, the output matmul with the residual and the FFN norm, the
-# gate matmul, then up and down: the matmuls (dense) or the gate-first up and down passes.
+# gate matmul, then up and down: the matmuls (dense) or the gate-first up and down passes, down
+# with the FFN's residual (and post-norm).
 PHASES = ("qkv", "attention", "attn_out", "gate", "up", "down")
 # Placeholder when nothing is timed.
 _NO_PHASES = np.zeros((0, len(PHASES)), np.int64)
@@ -280,16 +281,18 @@ def _stamp(phases, i, k, t_prev):
 
 
 def _layer_gated(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
-  """(y, active, passed, t) of the gate-first FFN of layer i, its up and down passes timed into
-  phases (`_stamp`) from t_prev (numba only; see the overload below)."""
+  """(y, active, passed, t) of the gate-first FFN of layer i, its up pass timed into phases
+  (`_stamp`) from t_prev, t the up pass's end (numba only; see the overload below)."""
   raise NotImplementedError("_layer_gated runs inside numba-compiled code only")
 
 
 @numba_extending.overload(_layer_gated, jit_options=_common._JIT)
 def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
   """`gated_ffn.gated_ffn`'s kernel for stacked up rows (Q4_1 (qs, d, m) or Q8_0 (q, d), each
-  [L, F, ...]) and stacked neuron-major down rows dt: Q8_0 (i8[L, F, D], u16[L, F, D/32]) or
-  Q4_1 (u8[L, F, D/2], u16[L, F, D/32] twice); the integer kernel only where qdot.AVAILABLE."""
+  [L, F, ...]: separate C arrays, or views into one record per row, `_build_up_records`: each
+  row contiguous, rows R bytes apart) and stacked neuron-major down rows dt: Q8_0 (i8[L, F, D],
+  u16[L, F, D/32]) or Q4_1 (u8[L, F, D/2], u16[L, F, D/32] twice); the integer kernel only
+  where qdot.AVAILABLE."""
   block = np.int64(qmatmul.BLOCK)
   q4 = len(up_w) == 3
   m = 2 if q4 else 1  # Q8_0: its scales stand in for the offsets, never read.
@@ -304,7 +307,7 @@ def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases
                                         n_threads, q4)
       t_prev = _stamp(phases, i, 4, t_prev)
       y, counts = gated_lib._down_pass(acts, layer_dt(dt, i), n_threads, block, False)
-      return y, counts, passed, _stamp(phases, i, 5, t_prev)
+      return y, counts, passed, t_prev
     return f32_only
 
   def impl(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
@@ -317,7 +320,7 @@ def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases
                                         n_threads, q4)
     t_prev = _stamp(phases, i, 4, t_prev)
     y, counts = gated_lib._down_pass(acts, layer_dt(dt, i), n_threads, block, int8)
-    return y, counts, passed, _stamp(phases, i, 5, t_prev)
+    return y, counts, passed, t_prev
   return impl
 
 
@@ -329,7 +332,9 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
   """Every layer of the decoder in one compiled call (the same kernels, in the same order, as
   `HostDecoder.forward`'s per-layer loop, so the same result bit for bit, without ~8 Python
   calls per layer). x: f32[b t, D] embeddings -> f32[b t, D] after the last layer.
-  Weights: stacked per role ([L, ...] arrays, `_layer_matmul`); norms f32[L, D]; extras:
+  Weights: stacked per role ([L, ...] arrays, `_layer_matmul`; with the gate-first FFN of ReLU
+  families the up rows may be record views, `HostDecoder._build_up_records`); norms f32[L, D];
+  extras:
   (qkv_bias f32[L, E], q_norm, k_norm f32[L, H], post_attn_norm, post_ffn_norm f32[L, D]), each
   [L, 0] when the family has none; cache_k, cache_v: f32[L, b, S, K, H]; cos, sin: f32[n, t, R/2]
   RoPE tables, layer i using table rope_of[i]; windows: i64[L] (0: global attention).
@@ -377,11 +382,11 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
       _layer_matmul(up_w, i, h, u, int8)
       t_prev = _stamp(phases, i, 4, t_prev)
       _layer_matmul(down_w, i, _activation_kernel(g, u, code), ffn, int8)
-      t_prev = _stamp(phases, i, 5, t_prev)
     if post_ffn.shape[1]:
       x = x + _rms_norm_kernel(ffn, post_ffn[i], eps)
     else:
       x = x + ffn
+    t_prev = _stamp(phases, i, 5, t_prev)
   return x
 
 
@@ -584,6 +589,9 @@ class HostDecoder:
     dense) or "q4_1" (0.625, but a second 4-bit rounding: 28.45; BUILD_NOTES.md, issue 11).
     None: "file" where every layer's down projection is Q4_1, else "q8_0". Built on first use and when the format changes; the old rows
     are dropped first (never both held), so if building fails the sparse FFN is left off.
+    Memory: these down rows are a second copy of down; ReLU families' stacked layers also get a
+    record copy of up (`_build_up_records`). Both stay held when the sparse FFN is turned off
+    (the bench toggles it), and neither is counted in `nbytes`.
 
     Raises:
       HostOpError: cuts of the wrong count or value, an unknown format, a GeGLU model.
@@ -629,7 +637,8 @@ class HostDecoder:
               qmatmul.QMatrix(down_format, views)
         down_t.append(w)
       self._down_t, self._stacked_down_t = down_t, stacked_t
-    if self._up_records is None and self._stacked is not None and self.code in (1, 2):
+    if self._up_records is None and self._stacked is not None and self.code in (
+        _common.FAMILY_CODES["reglu"], _common.FAMILY_CODES["drelu"]):
       self._up_records = self._build_up_records()
     self.gate_cuts = cuts
     self.contribution_cuts = None if contribution_cuts is None else ccuts
@@ -767,6 +776,12 @@ class HostDecoder:
       raise HostOpError(f"tokens [{b}, {t}] at position {pos} do not fit the KV cache "
                         f"[{cb} rows, {seq} positions]")
     n, k, hd = self.n_heads, self.n_kv_heads, self.head_dim
+    phases = self.phase_cycles
+    if phases is not None and (not isinstance(phases, np.ndarray) or phases.dtype != np.int64
+                               or phases.shape != (self.n_layers, len(PHASES))
+                               or not phases.flags.c_contiguous or not phases.flags.writeable):
+      raise HostOpError(f"phase_cycles must be None or a writable C-contiguous i64[{self.n_layers}"
+                        f", {len(PHASES)}] array")
     cos, sin = self._rope_tables(pos, t)
     x = self.embedding.rows_f32(tokens.reshape(-1))  # [b t, D]
     if self.embedding_scale != 1.0:
@@ -786,7 +801,7 @@ class HostDecoder:
                          np.float32(self.attn_scale), self.eps, self.code,
                          self.dot == qmatmul.DOT_INT8, cuts, dt, self.last_active,
                          self.last_passed, n_threads,
-                         _NO_PHASES if self.phase_cycles is None else self.phase_cycles)
+                         _NO_PHASES if phases is None else phases)
       layers = ()
     else:
       layers = self.layers

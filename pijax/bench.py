@@ -91,8 +91,9 @@ def bench_decode(model, n_gen: int, reps: int, seed: int = 0, switch=None, befor
   switch: None, or switch(sparse: bool) turning the loaded model's sparse FFN on or off; then
   every repetition times the dense FFN and then the sparse one, interleaved in this process on
   the same weights, and the result is (sparse, dense) BenchResults.
-  before_rep: None, or called with the mode (None, or False / True as for switch) before each
-  repetition, the warm-up included (`profile_layers` points the phase counters at the mode's).
+  before_rep: None, or called with (mode, rep) before each repetition (mode None, or False /
+  True as for switch; rep 0 is the warm-up): `profile_layers` points the phase counters at the
+  mode's, or at scratch for the warm-up.
   """
   if not 1 <= n_gen < model.max_seq_len:
     raise ConfigError(f"-n {n_gen} must be in [1, max_seq_len={model.max_seq_len}).")
@@ -127,7 +128,7 @@ def bench_decode(model, n_gen: int, reps: int, seed: int = 0, switch=None, befor
         if switch is not None:
           switch(m)
         if before_rep is not None:
-          before_rep(m)
+          before_rep(m, rep)
         rate, act = one_rep()
         if rep:
           rates[m].append(rate)
@@ -158,6 +159,10 @@ def weights_size_bytes(model) -> int:
 def _phase_decoder(model):
   """The host decoder whose layer loop `--profile_layers` times; ConfigError when there is none
   or it runs the per-layer loop (layers of mixed formats), which is not timed."""
+  import platform
+  if platform.machine().lower() not in ("x86_64", "amd64"):
+    raise ConfigError("--profile_layers reads the x86 cycle counter (rdtsc); this machine is "
+                      f"{platform.machine()}: drop the flag.")
   dec = getattr(model.backend, "decoder", None)
   if dec is None or getattr(dec, "_stacked", None) is None:
     raise ConfigError("--profile_layers times the host weights' one-call layer loop: use a "
@@ -171,7 +176,8 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
   times the same model's dense FFN in alternate repetitions (a row with mode "off", and
   "vs_dense" on the sparse row: the ratio of mean tokens/s). profile_layers: each tg row gets
   "layer_us", the mean microseconds per layer and decoded token of each phase of the host
-  layer loop (`host_ops.decoder.PHASES`, from the CPU's cycle counter; warm-up included).
+  layer loop (`host_ops.decoder.PHASES`, from the CPU's cycle counter, x86 only; over the timed
+  repetitions, as tokens/s).
   Raises ConfigError when interleave_dense is asked for any other mode, or profile_layers
   without host weights' one-call layer loop."""
   if profile_layers and not n_gen:
@@ -195,9 +201,12 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
     if dec_phases is not None:
       from host_ops import _common as host_common
       from host_ops import decoder as host_decoder
-      counts = {m: np.zeros((dec_phases.n_layers, len(host_decoder.PHASES)), np.int64)
+      shape = (dec_phases.n_layers, len(host_decoder.PHASES))
+      counts = {m: np.zeros(shape, np.int64)
                 for m in ((None,) if switch is None else (False, True))}
-      before_rep = lambda m: setattr(dec_phases, "phase_cycles", counts[m])  # noqa: E731
+      warm_up = np.zeros(shape, np.int64)  # Rep 0 is counted apart, as its tokens/s are.
+      before_rep = lambda m, rep: setattr(  # noqa: E731
+          dec_phases, "phase_cycles", counts[m] if rep else warm_up)
       c0, t0 = host_common.read_cycle_counter(), time.perf_counter()
     try:
       r = bench_decode(model, n_gen, reps, switch=switch, before_rep=before_rep)
@@ -206,7 +215,10 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
         dec_phases.phase_cycles = None
     if dec_phases is not None:
       hz = (host_common.read_cycle_counter() - c0) / (time.perf_counter() - t0)
-      steps = (reps + 1) * n_gen * dec_phases.n_layers
+      if not hz > 0:
+        raise ConfigError("--profile_layers: the cycle counter did not advance on this "
+                          "machine; drop the flag.")
+      steps = reps * n_gen * dec_phases.n_layers  # Forward calls (one per decoded token) x L.
       layer_us = {m: {p: float(c[:, k].sum() / hz / steps * 1e6)
                       for k, p in enumerate(host_decoder.PHASES)} for m, c in counts.items()}
     tests += [(r[0], model.sparse_mode), (r[1], "off")] if switch else [(r, model.sparse_mode)]

@@ -180,7 +180,8 @@ def test_decoder_prefill_then_decode_matches_reference(kind, adjacent, family, d
 @pytest.mark.parametrize("dot", ["f32", "int8"])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("family,down", [(None, None), ("swiglu", "q8_0"), ("drelu", "q8_0"),
-                                         ("swiglu", "q4_1"), ("drelu", "q4_1")])
+                                         ("swiglu", "q4_1"), ("drelu", "q4_1"),
+                                         ("reglu", "q8_0")])
 def test_decoder_fused_layers_equal_per_layer_loop(kind, dot, family, down):
   """The one-call layer loop (`_layers_kernel`, used when every layer has the same formats)
   gives the per-layer Python loop's logits bit for bit, for prefill (many-row kernels) and
@@ -206,7 +207,7 @@ def test_decoder_fused_layers_equal_per_layer_loop(kind, dot, family, down):
     # ReLU families read their up rows as records (codes and scales side by side, each record
     # on a cache line), the same values as the stacked up arrays; SwiGLU keeps the arrays.
     up = dec._stacked[2 + dec._ROLES.index("up")]
-    if family == "drelu":
+    if family in ("drelu", "reglu"):
       codes = dec._up_records[0]  # Each record starts with its codes.
       assert len(dec._up_records) == len(up)
       assert codes.ctypes.data % 64 == 0 and codes.strides[1] % 64 == 0
@@ -216,6 +217,7 @@ def test_decoder_fused_layers_equal_per_layer_loop(kind, dot, family, down):
     else:
       assert dec._up_records is None
   tokens = rng.integers(0, 50, (2, 12))
+  stacked_arrays = dec._stacked
   runs, actives = [], []
   # The one-call loop runs with its phase counters on (`--profile_layers`): same results, and
   # every phase of every layer counted; the per-layer loop counts nothing.
@@ -247,6 +249,23 @@ def test_decoder_fused_layers_equal_per_layer_loop(kind, dot, family, down):
     assert (actives[0] == 1).all()
   else:
     assert (actives[0] > 0).all() and (actives[0] < 1).all()
+  dec._stacked, dec.phase_cycles = stacked_arrays, None
+  if family in ("drelu", "reglu"):
+    # The one-call loop reads the records: their up scales moved between neurons move the
+    # logits; put back, the logits are back.
+    scales = dec._up_records[1][0]
+    saved = scales.copy()
+    def decode():
+      return dec.forward(dec.new_cache(2, 16), tokens[:, :10], 0)
+    scales[...] = np.roll(saved, 1, axis=0)
+    assert not np.array_equal(decode(), runs[0][0])
+    scales[...] = saved
+    np.testing.assert_array_equal(decode(), runs[0][0])
+  for bad in (np.zeros((dec.n_layers, 2), np.int64), np.zeros(phases.shape, np.int32)):
+    dec.phase_cycles = bad
+    with pytest.raises(HostOpError, match="phase_cycles"):
+      dec.forward(dec.new_cache(2, 16), tokens[:, :1], 0)
+  dec.phase_cycles = None
 
 
 def test_decoder_mixed_formats_run_the_per_layer_loop():
