@@ -36,9 +36,13 @@ FAMILIES = tuple(FAMILY_CODES)
 
 _GELU_C = math.sqrt(2.0 / math.pi)  # gelu_tanh(g) = g/2 (1 + tanh(c (g + 0.044715 g^3))).
 
-# silu(g) = g / (1 + exp(-g)). Below this g, exp(-g) would overflow f32 under fastmath (which
-# assumes no infinities); silu(g) there is g * exp(g) to f32 precision (|silu(-80)| ~ 1e-33).
-_SILU_FLOOR = -80.0
+# exp_f32's range: arguments are clamped to it, so 2^n stays a normal f32 and nothing overflows
+# (fastmath assumes no infinities). silu(g) for g < -87 is then g / (1 + e^87), ~1e-36 off zero.
+_EXP_LO, _EXP_HI = np.float32(-87.0), np.float32(88.0)
+_LOG2E = np.float32(1.4426950408889634)
+# ln 2 split in two (Cody & Waite 1980): n * _LN2_HI is exact for |n| < 256 (16-bit mantissa).
+_LN2_HI = np.float32(0.693145751953125)
+_LN2_LO = np.float32(1.428606765330187e-06)
 
 # error_model "numpy": a float division by zero gives inf/nan (as NumPy) instead of raising
 # ZeroDivisionError out of a kernel (seen with NaN weights in a corrupt file).
@@ -49,6 +53,9 @@ _JIT = dict(nogil=True, fastmath=True, cache=True, error_model="numpy")
 # while the process that compiled it runs the first one; with reassoc the two sum in other
 # orders (BUILD_NOTES.md, issue 11, "Compiled in-process or loaded ...").
 _JIT_ORDERED = dict(_JIT, fastmath={"nsz", "arcp", "afn"})
+# Activations compile without fastmath: their bits must not depend on whether LLVM vectorized
+# the caller's loop (the sparse FFN's per-neuron activations equal the dense loop's).
+_JIT_IEEE = dict(_JIT, fastmath=False)
 
 # Software prefetch of the next active neuron's rows: PREFETCH_AHEAD neurons ahead in a thread's
 # range (0 = off; read at each call), the first PREFETCH_BYTES of each row and Q8 scale row (fixed
@@ -288,29 +295,71 @@ def prefetch_head(row):
     _prefetch(row, e)
 
 
+@intrinsic
+def _f32_from_bits(typingctx, bits):
+  """The f32 whose IEEE bits are the i32 `bits` (a bitcast; LLVM vectorizes it)."""
+  def codegen(context, builder, sig, args):
+    return builder.bitcast(args[0], ir.FloatType())
+  return types.float32(types.int32), codegen
+
+
+@numba.njit(**_JIT_IEEE)
+def exp_f32(x):
+  """e^x for an f32 x clamped to [-87, 88], within 1 ulp of the f64 value, branch-free so a
+  loop of it vectorizes (libm's scalar exp left SmolLM2's 1536 SiLUs per token at 8-11 us per
+  layer; this loop 0.6-1 us: BUILD_NOTES.md, issue 11).
+
+  e^x = 2^n e^r with n = rint(x / ln 2) and r = x - n ln 2 in [-ln2/2, ln2/2] (Cody & Waite
+  1980, two-part ln 2); e^r by its Taylor series to r^7 (remainder < 0.347^8 / 8! ~ 5e-9, under
+  an f32 ulp); 2^n built from its exponent bits."""
+  x = min(max(x, _EXP_LO), _EXP_HI)
+  n = np.float32(np.rint(x * _LOG2E))
+  r = (x - n * _LN2_HI) - n * _LN2_LO
+  p = np.float32(1.0 / 5040.0)
+  p = p * r + np.float32(1.0 / 720.0)
+  p = p * r + np.float32(1.0 / 120.0)
+  p = p * r + np.float32(1.0 / 24.0)
+  p = p * r + np.float32(1.0 / 6.0)
+  p = p * r + np.float32(0.5)
+  p = p * r + np.float32(1.0)
+  p = p * r + np.float32(1.0)
+  return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+
+
+@numba.njit(**_JIT_IEEE)
+def silu_f32(g):
+  """silu(g) = g / (1 + e^-g) in f32 (`exp_f32`): within ~2 ulp of the f64 value; 0 where
+  e^-g would pass exp_f32's range (g < -88: |silu(g)| < 1e-36)."""
+  s = g / (np.float32(1.0) + exp_f32(-g))
+  return s if -g <= _EXP_HI else np.float32(0.0)
+
+
+@numba.njit(**_JIT_IEEE)
+def gelu_tanh_f32(g):
+  """gelu_tanh(g) = g/2 (1 + tanh(z)), z = c (g + 0.044715 g^3) (Hendrycks & Gimpel 2016),
+  computed as g / (1 + e^(-2z)) (1 + tanh(z) = 2 / (1 + e^(-2z))) in f32 (`exp_f32`); 0 where
+  e^(-2z) would pass its range (g < -9.9: |gelu(g)| < 1e-37)."""
+  z = np.float32(-2.0 * _GELU_C) * (g + np.float32(0.044715) * g * g * g)
+  s = g / (np.float32(1.0) + exp_f32(z))
+  return s if z <= _EXP_HI else np.float32(0.0)
+
+
 @numba.njit(inline="always", **_JIT)
 def activation(g, u, code):
   """act(g, u) for one neuron: g, u are f32 dot products; returns an f32 scalar.
 
   code 0 swiglu silu(g)*u, 1 reglu relu(g)*u, 2 drelu relu(g)*relu(u), 3 geglu gelu_tanh(g)*u
-  (Hendrycks & Gimpel 2016, tanh form). ReLU families return an exact 0 for inactive neurons,
-  which the kernels use to skip the down row.
+  (`silu_f32`, `gelu_tanh_f32`: no branch, so loops over neurons vectorize). ReLU families
+  return an exact 0 for inactive neurons, which the kernels use to skip the down row.
   """
   if code == 0:
-    gd = np.float64(g)
-    if gd < _SILU_FLOOR:
-      s = gd * math.exp(gd)
-    else:
-      s = gd / (1.0 + math.exp(-gd))
-    return np.float32(s * np.float64(u))
+    return silu_f32(g) * u
   if code == 1:
     if g > 0:
       return np.float32(g * u)
     return np.float32(0.0)
   if code == 3:
-    gd = np.float64(g)
-    s = 0.5 * gd * (1.0 + math.tanh(_GELU_C * (gd + 0.044715 * gd * gd * gd)))
-    return np.float32(s * np.float64(u))
+    return gelu_tanh_f32(g) * u
   if g > 0 and u > 0:
     return np.float32(g * u)
   return np.float32(0.0)

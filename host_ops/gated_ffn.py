@@ -69,7 +69,7 @@ def _active_ids(g, cut, code):
     for i in range(f):
       gi = g[r, i]
       if code == 0:
-        keep = abs(gi / (np.float32(1.0) + np.exp(-max(gi, np.float32(-80.0))))) >= cut
+        keep = abs(_common.silu_f32(gi)) >= cut
       else:
         keep = gi > 0
       ids[r, c] = i
@@ -752,9 +752,11 @@ def _up_pass_int8(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
       qdot.gemv_q4_1(up_w, up_d, up_m, h, u)
     else:
       qdot.gemv_q8_0(up_w, up_d, h, u)
+    # Serial and vectorized (`_common.silu_f32`): a parallel loop over neurons cost SmolLM2
+    # ~10 us per layer more.
     acts = np.empty((b, f), np.float32)
-    for i in numba.prange(f):
-      for r in range(b):
+    for r in range(b):
+      for i in range(f):
         acts[r, i] = _contribution(_common.activation(g[r, i], u[r, i], code), cuts[1])
     return acts, np.full(b, f, np.int64)
   ids, counts = _active_ids(g, cuts[0], code)

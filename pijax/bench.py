@@ -237,7 +237,8 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
       row.update(weight_bytes_per_token=read, dense_weight_bytes_per_token=dense,
                  implied_gb_s=read * r.mean / 1e9, ideal_speedup=dense / read)
       if layer_us:
-        row["layer_us"] = layer_us[False if mode == "off" else (True if switch else None)]
+        # Keys: None for a single mode (dense or sparse), else False (dense) / True (sparse).
+        row["layer_us"] = layer_us[None if not switch else mode != "off"]
     rows.append(row)
   if switch:
     rows[-2]["vs_dense"] = rows[-2]["t_s_mean"] / rows[-1]["t_s_mean"]

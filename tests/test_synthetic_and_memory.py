@@ -131,6 +131,13 @@ def test_bench_interleaves_dense_and_gate_sparse_decode(tmp_path):
                         timeout=600, cwd=ROOT)
   assert proc.returncode == 2 and "--interleave_dense" in proc.stderr
   assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0
+  # A dense run alone profiles too (its key was once looked up as the interleaved dense one).
+  proc = subprocess.run(bench + ["--profile_layers", "-o", "json"], capture_output=True,
+                        text=True, timeout=600, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  (alone,) = json.loads(proc.stdout)
+  assert alone["mode"] == "off" and list(alone["layer_us"]) == list(decoder_lib.PHASES)
+  assert all(us > 0 for us in alone["layer_us"].values())
   # --profile_layers times the host layer loop: refused on the f32 XLA path, one line.
   proc = subprocess.run(bench + ["--profile_layers", "--host_weights=off"], capture_output=True,
                         text=True, timeout=600, cwd=ROOT)
