@@ -279,15 +279,6 @@ def far_gather(code_bytes):
 
 
 @numba.njit(inline="always", **_JIT)
-def far_block(dim):
-  """True when the file down pass (`gated_ffn._down_threads_file_int8`) over D = dim outputs
-  prefetches into L2: a neuron block's d and m (4 D bytes) and the accumulator (4 D) pass
-  FAR_BYTES. 7B (D = 4096), 25% / 50% active, L2 / L1 time: 0.74-1.06 / 0.70-0.84; SmolLM2
-  (576): 0.95-1.27 (BUILD_NOTES.md, issue 11)."""
-  return 8 * dim > FAR_BYTES
-
-
-@numba.njit(inline="always", **_JIT)
 def prefetch_head(row):
   """Prefetches the first PREFETCH_BYTES of a contiguous 1-D row (any dtype)."""
   step = max(_CACHE_LINE // row.itemsize, 1)

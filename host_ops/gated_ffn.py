@@ -340,20 +340,13 @@ def _add_block_file_next(typingctx, acc, qs, ids, cq, n_pairs, dm, scale, offset
   (cq[2p], cq[2p + 1]); up to 8 pairs add in i16 (at most 8 * 2 * 15 * 127), then in i32,
   and the scales are applied once per block. The prefetches are spread over the block, never
   issued at once: the next d and m a line each per 32 outputs, the line at the same offset of
-  each next row per 128 outputs."""
-  sig = types.void(acc, qs, ids, cq, n_pairs, dm, scale, offset, next_ids, next_n, next_dm)
-  return sig, _add_block_file_codegen()
-
-
-@intrinsic
-def _add_block_file_far(typingctx, acc, qs, ids, cq, n_pairs, dm, scale, offset, next_ids,
-                        next_n, next_dm):
-  """`_add_block_file_next` prefetching into L2 (`_common.far_block`)."""
+  each next row per 128 outputs, all into L2 (`prefetcht1`): into L1 (a block ahead of 288-byte
+  SmolLM2 rows from DRAM, 50% active) the pass took 1.32x as long (BUILD_NOTES.md, issue 11)."""
   sig = types.void(acc, qs, ids, cq, n_pairs, dm, scale, offset, next_ids, next_n, next_dm)
   return sig, _add_block_file_codegen(_common.LOCALITY_L2)
 
 
-def _add_block_file_codegen(locality=_common.LOCALITY_L1):
+def _add_block_file_codegen(locality):
   """LLVM IR of `_add_block_file_next` (prefetches at `locality`)."""
 
   def codegen(context, builder, signature, args):
@@ -468,11 +461,9 @@ def _down_threads_file_int8(acts, ids, counts, qs, dm, partials, n_threads):
   neuron block at a time (`_add_block_file_next`; an odd count is padded with coefficient 0 on
   a row already read), the next block's rows and scales prefetched over the current one (7B
   shapes from DRAM, 25% active: 537 -> 489 us against whole rows prefetched 32 neurons ahead;
-  the same layer from L3: 380 us), into L2 where a block's scales are large
-  (`_common.far_block`)."""
+  the same layer from L3: 380 us)."""
   xq, dx, _ = qdot.quantize_x(acts)
   blk_n = qmatmul.BLOCK
-  far = _common.far_block(dm.shape[2])
   for t in numba.prange(n_threads):
     ids_a = np.empty(blk_n, np.int64)
     cq_a = np.empty(blk_n, np.int8)
@@ -492,14 +483,9 @@ def _down_threads_file_int8(acts, ids, counts, qs, dm, partials, n_threads):
           ids_a[n] = ids_a[0]
           cq_a[n] = 0
         nblk = ids_b[0] // blk_n if n2 > 0 else blk
-        if far:
-          _add_block_file_far(partials[t, r], qs, ids_a, cq_a, np.int64((n + 1) // 2), dm[blk],
-                              dx[r, blk], dx[r, blk] * np.float32(isum), ids_b, np.int64(n2),
-                              dm[nblk])
-        else:
-          _add_block_file_next(partials[t, r], qs, ids_a, cq_a, np.int64((n + 1) // 2),
-                               dm[blk], dx[r, blk], dx[r, blk] * np.float32(isum), ids_b,
-                               np.int64(n2), dm[nblk])
+        _add_block_file_next(partials[t, r], qs, ids_a, cq_a, np.int64((n + 1) // 2), dm[blk],
+                             dx[r, blk], dx[r, blk] * np.float32(isum), ids_b, np.int64(n2),
+                             dm[nblk])
         j += n
         ids_a, ids_b = ids_b, ids_a
         cq_a, cq_b = cq_b, cq_a

@@ -794,7 +794,6 @@ def test_down_pass_with_tiny_coefficients_stays_finite():
 
 
 @pytest.mark.parametrize("dot", ["f32", "int8"])
-# 1600 outputs: past _common.far_block (the next block prefetched into L2).
 @pytest.mark.parametrize("f,dim,b", [(96, 64, 3), (160, 96, 2), (96, 1600, 2)])
 def test_file_down_rows_match_reference_and_dense(dot, f, dim, b):
   """`FileDownRows` (the file's Q4_1 down blocks, transposed) hold exactly the file's weights,
@@ -863,16 +862,16 @@ def test_gated_ffn_with_file_rows_matches_reference(family, cut, ccut, dot):
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("family,cut", [("drelu", 0.0), ("swiglu", 0.05)])
 def test_gated_ffn_rows_prefetched_into_l2_match_reference(kind, family, cut):
-  """Up rows of >= 1 KB of codes and file down rows of 2048 outputs take the kernels that
-  prefetch into L2 (`_common.far_gather`, `far_block`): the same results as the float64
-  reference on random blocks, integer dots."""
+  """Up rows of >= 1 KB of codes take the kernels that prefetch into L2 (`_common.far_gather`;
+  the file down pass always does): the same results as the float64 reference on random blocks,
+  integer dots."""
   from host_ops import _common
   from host_ops import gated_ffn
   rng = np.random.default_rng(23)
   dim, f = 2048, 96
   up = _random_matrix(rng, kind, f, dim)
   rows = gated_ffn.FileDownRows.from_down(_random_matrix(rng, "q4_1", dim, f))
-  assert _common.far_gather(up.arrays[0].shape[1]) and _common.far_block(dim)
+  assert _common.far_gather(up.arrays[0].shape[1])
   h = rng.standard_normal((2, dim)).astype(np.float32)
   g = rng.standard_normal((2, f)).astype(np.float32)
   y, active, passed = gated_ffn.gated_ffn(g, h, up, rows, cut=cut, family=family, dot="int8")
