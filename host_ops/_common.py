@@ -37,7 +37,8 @@ FAMILIES = tuple(FAMILY_CODES)
 _GELU_C = math.sqrt(2.0 / math.pi)  # gelu_tanh(g) = g/2 (1 + tanh(c (g + 0.044715 g^3))).
 
 # exp_f32's range: arguments are clamped to it, so 2^n stays a normal f32 and nothing overflows
-# (fastmath assumes no infinities). silu(g) for g < -87 is then g / (1 + e^87), ~1e-36 off zero.
+# (fastmath assumes no infinities); silu_f32 and gelu_tanh_f32 give 0 where their exp argument
+# passes the top.
 _EXP_LO, _EXP_HI = np.float32(-87.0), np.float32(88.0)
 _LOG2E = np.float32(1.4426950408889634)
 # ln 2 split in two (Cody & Waite 1980): n * _LN2_HI is exact for |n| < 256 (16-bit mantissa).
@@ -296,9 +297,9 @@ def _f32_from_bits(typingctx, bits):
 
 @numba.njit(**_JIT_IEEE)
 def exp_f32(x):
-  """e^x for an f32 x clamped to [-87, 88], within 1 ulp of the f64 value, branch-free so a
-  loop of it vectorizes (libm's scalar exp left SmolLM2's 1536 SiLUs per token at 8-11 us per
-  layer; this loop 0.6-1 us: BUILD_NOTES.md, issue 11).
+  """e^x for an f32 x clamped to [-87, 88] (NaN stays NaN), within 1.2 ulp of the f64 value
+  there, branch-free so a loop of it vectorizes (libm's scalar exp left SmolLM2's 1536 SiLUs per
+  token at 8-11 us per layer; this loop ~1 us: BUILD_NOTES.md, issue 11).
 
   e^x = 2^n e^r with n = rint(x / ln 2) and r = x - n ln 2 in [-ln2/2, ln2/2] (Cody & Waite
   1980, two-part ln 2); e^r by its Taylor series to r^7 (remainder < 0.347^8 / 8! ~ 5e-9, under
@@ -314,25 +315,26 @@ def exp_f32(x):
   p = p * r + np.float32(0.5)
   p = p * r + np.float32(1.0)
   p = p * r + np.float32(1.0)
-  return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+  e = p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+  return e if x == x else x
 
 
 @numba.njit(**_JIT_IEEE)
 def silu_f32(g):
-  """silu(g) = g / (1 + e^-g) in f32 (`exp_f32`): within ~2 ulp of the f64 value; 0 where
-  e^-g would pass exp_f32's range (g < -88: |silu(g)| < 1e-36)."""
+  """silu(g) = g / (1 + e^-g) in f32 (`exp_f32`): within 2.5 ulp of the f64 value; 0 where
+  e^-g would pass exp_f32's range (g < -88: |silu(g)| < 1e-36); NaN stays NaN."""
   s = g / (np.float32(1.0) + exp_f32(-g))
-  return s if -g <= _EXP_HI else np.float32(0.0)
+  return np.float32(0.0) if -g > _EXP_HI else s
 
 
 @numba.njit(**_JIT_IEEE)
 def gelu_tanh_f32(g):
   """gelu_tanh(g) = g/2 (1 + tanh(z)), z = c (g + 0.044715 g^3) (Hendrycks & Gimpel 2016),
   computed as g / (1 + e^(-2z)) (1 + tanh(z) = 2 / (1 + e^(-2z))) in f32 (`exp_f32`); 0 where
-  e^(-2z) would pass its range (g < -9.9: |gelu(g)| < 1e-37)."""
+  e^(-2z) would pass its range (g < -10.03: |gelu(g)| < 1e-37); NaN stays NaN."""
   z = np.float32(-2.0 * _GELU_C) * (g + np.float32(0.044715) * g * g * g)
   s = g / (np.float32(1.0) + exp_f32(z))
-  return s if z <= _EXP_HI else np.float32(0.0)
+  return np.float32(0.0) if z > _EXP_HI else s
 
 
 @numba.njit(inline="always", **_JIT)
