@@ -343,11 +343,12 @@ def _add_block_file_next(typingctx, acc, qs, ids, cq, n_pairs, dm, scale, offset
   each next row per 128 outputs, all into L2 (`prefetcht1`): into L1 (a block ahead of 288-byte
   SmolLM2 rows from DRAM, 50% active) the pass took 1.32x as long (BUILD_NOTES.md, issue 11)."""
   sig = types.void(acc, qs, ids, cq, n_pairs, dm, scale, offset, next_ids, next_n, next_dm)
-  return sig, _add_block_file_codegen(_common.LOCALITY_L2)
+  return sig, _add_block_file_codegen()
 
 
-def _add_block_file_codegen(locality):
-  """LLVM IR of `_add_block_file_next` (prefetches at `locality`)."""
+def _add_block_file_codegen():
+  """LLVM IR of `_add_block_file_next`."""
+  locality = _common.LOCALITY_L2
 
   def codegen(context, builder, signature, args):
     accp, qsp, idp, cqp, dmp = (context.make_array(signature.args[k])(context, builder,
@@ -688,6 +689,13 @@ def _contribution(a, cut):
   return np.float32(0.0) if cut > 0 and abs(a) < cut else a
 
 
+@numba.njit(inline="always", **_common._JIT)
+def _contribution_row(out, g, u, cut, code):
+  """out[i] = act(g[i], u[i]) with the contribution cut (`_contribution`), one row of neurons."""
+  for i in range(g.shape[0]):
+    out[i] = _contribution(_common.activation(g[i], u[i], code), cut)
+
+
 @numba.njit(parallel=True, **_common._JIT)
 def _up_pass(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
   """Pass 1: (acts f32[b, F]: act(g, up . h) for the neurons whose gate passes cuts[0] and whose
@@ -742,12 +750,10 @@ def _up_pass_int8(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
     # over neurons cost SmolLM2 ~10 us per layer more. Prefill rows in parallel.
     acts = np.empty((b, f), np.float32)
     if b == 1:
-      for i in range(f):
-        acts[0, i] = _contribution(_common.activation(g[0, i], u[0, i], code), cuts[1])
+      _contribution_row(acts[0], g[0], u[0], cuts[1], code)
     else:
       for r in numba.prange(b):
-        for i in range(f):
-          acts[r, i] = _contribution(_common.activation(g[r, i], u[r, i], code), cuts[1])
+        _contribution_row(acts[r], g[r], u[r], cuts[1], code)
     return acts, np.full(b, f, np.int64)
   ids, counts = _active_ids(g, cuts[0], code)
   xq, dx, xsum = qdot.quantize_x(h)
