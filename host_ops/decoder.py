@@ -558,11 +558,25 @@ class HostDecoder:
     return attn + self.ffn_bytes_per_token(active_fraction) + self.lm_head.file_bytes()
 
   def nbytes(self) -> int:
-    """Host bytes held (codes, f16 scales, norms); a tied head is counted once."""
+    """Host bytes held (codes, f16 scales, norms; a tied head counted once), plus the sparse
+    FFN's copies once built (`sparse_nbytes`)."""
     mats = [w for layer in self.layers for w in layer.matrices()] + [self.embedding]
     if self.lm_head is not self.embedding:
       mats.append(self.lm_head)
-    return sum(w.nbytes for w in mats) + 4 * self.hidden_size * (2 * self.n_layers + 1)
+    return (sum(w.nbytes for w in mats) + 4 * self.hidden_size * (2 * self.n_layers + 1)
+            + self.sparse_nbytes())
+
+  def sparse_nbytes(self) -> int:
+    """Bytes of the gate-first FFN's own copies (`enable_gated`): the neuron-major down rows
+    and ReLU families' up records; 0 before they are built. Held while the sparse FFN is off."""
+    if self._stacked_down_t is not None:
+      held = sum(a.nbytes for a in self._stacked_down_t)
+    else:
+      held = sum(w.nbytes for w in self._down_t or ())
+    if self._up_records is not None:  # Views into one u8[L, F, R] buffer, R the row stride.
+      first = self._up_records[0]
+      held += first.shape[0] * first.shape[1] * first.strides[1]
+    return int(held)
 
   # ------------------------------------------------------------------------- KV cache
   def new_cache(self, batch: int, max_seq_len: int) -> HostKVCache:
@@ -591,7 +605,7 @@ class HostDecoder:
     are dropped first (never both held), so if building fails the sparse FFN is left off.
     Memory: these down rows are a second copy of down; ReLU families' stacked layers also get a
     record copy of up (`_build_up_records`). Both stay held when the sparse FFN is turned off
-    (the bench toggles it), and neither is counted in `nbytes`.
+    (the bench toggles it); `nbytes` counts both (`sparse_nbytes`).
 
     Raises:
       HostOpError: cuts of the wrong count or value, an unknown format, a GeGLU model.

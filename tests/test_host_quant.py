@@ -498,6 +498,25 @@ def test_decoder_gated_matches_reference(family, dot):
     dec.enable_gated([0.1])
 
 
+@pytest.mark.parametrize("family", ["swiglu", "drelu"])
+def test_decoder_nbytes_counts_the_sparse_copies(family):
+  """`nbytes` grows by the neuron-major down rows (file layout: F x D/2 codes plus the f16 d
+  and m of every 32 neurons and output) and, for ReLU families, the up records (each row's
+  codes and scales on whole cache lines); they stay counted while the sparse FFN is off."""
+  rng = np.random.default_rng(11)
+  dec = _tiny_decoder(rng, "q4_1", adjacent=True, family=family)
+  dense = dec.nbytes()
+  assert dec.sparse_nbytes() == 0
+  dec.enable_gated([0.0, 0.0])
+  f, dim = dec.layers[0].down.shape[1], dec.layers[0].down.shape[0]
+  down_t = 2 * (f * dim // 2 + f // 32 * 2 * dim * 2)
+  up_rows = 2 * f * 64 if family == "drelu" else 0  # 32 code + 4 d + 4 m bytes -> one line.
+  assert dec.sparse_nbytes() == down_t + up_rows
+  assert dec.nbytes() == dense + down_t + up_rows
+  dec.enable_gated(None)
+  assert dec.nbytes() == dense + down_t + up_rows
+
+
 def test_decoder_caches_are_independent_and_checked():
   """Two caches of one decoder interleave: each sequence equals its own reference; a cache
   that does not fit, or is not a HostKVCache, is refused."""
