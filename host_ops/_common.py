@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import platform
 
 import llvmlite.binding
 import numba
@@ -65,6 +66,8 @@ _JIT_IEEE = dict(_JIT, fastmath=False)
 PREFETCH_AHEAD = 1
 PREFETCH_BYTES = 1024
 _CACHE_LINE = 64
+# Whether this host is x86-64: the intrinsics (AVX2, F16C, rdtsc) exist only there.
+IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 # llvm.prefetch's name carries its pointer type: "p0" from LLVM 15 (opaque pointers), else "p0i8".
 _PREFETCH_FN = "llvm.prefetch.p0" if llvmlite.binding.llvm_version_info[0] >= 15 else \
     "llvm.prefetch.p0i8"

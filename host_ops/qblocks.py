@@ -60,8 +60,6 @@ a kind code; the parallel kernels are in `host_ops.qmatmul`, and so are the NumP
 
 from __future__ import annotations
 
-import platform
-
 import llvmlite.binding
 import numba
 import numpy as np
@@ -85,7 +83,7 @@ FLOAT_UNIT = 64
 
 
 def _host_has_f16c() -> bool:
-  if platform.machine().lower() not in ("x86_64", "amd64") or numba.config.CPU_NAME:
+  if not _common.IS_X86 or numba.config.CPU_NAME:
     return False  # Elsewhere (or compiling for another CPU) `fpext half` may become a libcall.
   try:
     return bool(llvmlite.binding.get_host_cpu_features().get("f16c"))

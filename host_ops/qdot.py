@@ -34,8 +34,6 @@ NumPy references (`quantize_x_reference`, `matmul_reference`).
 
 from __future__ import annotations
 
-import platform
-
 import llvmlite.binding
 import numba
 import numpy as np
@@ -53,7 +51,7 @@ Q8_0 = "q8_0"
 
 
 def _host_has_avx2() -> bool:
-  if platform.machine().lower() not in ("x86_64", "amd64"):
+  if not _common.IS_X86:
     return False
   try:
     features = llvmlite.binding.get_host_cpu_features()

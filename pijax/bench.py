@@ -160,7 +160,8 @@ def _phase_decoder(model):
   """The host decoder whose layer loop `--profile_layers` times; ConfigError when there is none
   or it runs the per-layer loop (layers of mixed formats), which is not timed."""
   import platform
-  if platform.machine().lower() not in ("x86_64", "amd64"):
+  from host_ops import _common as host_common
+  if not host_common.IS_X86:
     raise ConfigError("--profile_layers reads the x86 cycle counter (rdtsc); this machine is "
                       f"{platform.machine()}: drop the flag.")
   dec = getattr(model.backend, "decoder", None)
