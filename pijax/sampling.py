@@ -2,8 +2,11 @@
 
 The chain follows llama.cpp's default order:
 
-  repetition penalty -> (temperature == 0: argmax) -> top_k -> top_p -> min_p -> temperature
-  -> categorical draw with the caller's PRNG key.
+  repetition penalty -> additive bias -> (temperature == 0: argmax) -> top_k -> top_p -> min_p
+  -> temperature -> categorical draw with the caller's PRNG key.
+
+The optional bias, f32[batch, vocab], is per row: OpenAI's logit_bias plus -inf on the tokens a
+grammar forbids (`pijax.grammar`), so rows of a batch may follow different constraints.
 
 Every knob lives in `SamplingParams` as a JAX scalar (a pytree leaf, never a static argument), so
 a jitted `sample` compiles once per (batch, vocab, n_recent) shape whatever the parameter values.
@@ -336,16 +339,24 @@ def _stochastic(logits: jax.Array, params: SamplingParams, finish):
   return lax.cond(no_filter, unfiltered, filtered, logits)
 
 
-def _penalise(logits, params, recent_tokens):
+def _penalise(logits, params, recent_tokens, bias=None):
   logits = jnp.asarray(logits)
   if recent_tokens is not None:
     recent_tokens = jnp.asarray(recent_tokens, jnp.int32)
   _check_shapes(logits, recent_tokens)
+  if bias is not None and (bias.ndim != 2 or bias.shape[0] != logits.shape[0] or
+                           bias.shape[1] != logits.shape[1]):
+    raise ValueError(f"bias must be f32[batch, vocab] = {logits.shape}, got shape "
+                     f"{bias.shape}.")
   if recent_tokens is not None:
     counts = _recent_counts(logits, recent_tokens)  # One scatter per step for both rules.
     logits = _repetition(logits, counts, params.repeat_penalty)
     logits = _presence_frequency(logits, counts, params.presence_penalty,
                                  params.frequency_penalty)
+  if bias is not None:
+    # After the penalties (llama.cpp adds logit_bias before them): a bias is the caller's last
+    # word on a token, never divided by the repetition penalty.
+    logits = logits + jnp.asarray(bias, logits.dtype)
   return logits
 
 
@@ -355,6 +366,7 @@ def sample(
     key: jax.Array,
     params: SamplingParams,
     recent_tokens: jax.Array | None = None,
+    bias: jax.Array | None = None,
 ) -> jax.Array:
   """Draws one token per row (jittable; `params` may be traced).
 
@@ -363,11 +375,14 @@ def sample(
     key: a PRNG key; the same key, logits and params give the same tokens.
     params: a `SamplingParams` (see `make_sampling_params`).
     recent_tokens: optional i32[batch, n] token ids for the repetition penalty; < 0 is padding.
+    bias: optional f32[batch, vocab] added to each row's logits after the penalties and before
+      every filter: OpenAI's logit_bias, and -inf on tokens a grammar forbids
+      (`pijax.grammar`). Each row has its own. None compiles the same program as before.
 
   Returns:
-    i32[batch], the sampled token ids.
+    i32[batch], the sampled token ids (never a -inf token while the row has a finite one).
   """
-  logits = _penalise(logits, params, recent_tokens)
+  logits = _penalise(logits, params, recent_tokens, bias)
 
   def greedy(logits, key):
     del key
@@ -387,6 +402,7 @@ def filtered_probs(
     logits: jax.Array,
     params: SamplingParams,
     recent_tokens: jax.Array | None = None,
+    bias: jax.Array | None = None,
 ) -> jax.Array:
   """The distribution `sample` draws from, in token-id order (for tests and inspection).
 
@@ -394,12 +410,13 @@ def filtered_probs(
     logits: f32[batch, vocab].
     params: a `SamplingParams`.
     recent_tokens: optional i32[batch, n], as for `sample`.
+    bias: optional f32[batch, vocab], as for `sample`.
 
   Returns:
     f32[batch, vocab]: probabilities after the penalty, all filters and temperature, exactly 0 for
     filtered tokens; a one-hot at the argmax when temperature is 0.
   """
-  logits = _penalise(logits, params, recent_tokens)
+  logits = _penalise(logits, params, recent_tokens, bias)
   vocab = logits.shape[1]
 
   def greedy(logits):

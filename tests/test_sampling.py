@@ -340,3 +340,59 @@ def test_bad_shapes_raise_value_error():
     sample(jnp.zeros((5,)), jax.random.key(0), params)
   with pytest.raises(ValueError, match="recent_tokens"):
     sample(jnp.zeros((2, 5)), jax.random.key(0), params, jnp.zeros((3, 4), jnp.int32))
+
+
+# Additive bias (logit_bias, grammar masks) -------------------------------------------------------
+
+
+def test_bias_is_applied_per_row():
+  """Each row follows its own bias: -inf bans, +100 forces, zeros change nothing."""
+  logits = jnp.asarray([[3.0, 1.0, 0.5, 0.0]] * 3)
+  bias = np.zeros((3, 4), np.float32)
+  bias[0, 0] = -np.inf  # Row 0: the greedy token banned.
+  bias[1, 2] = 100.0  # Row 1: token 2 forced.
+  greedy = make_sampling_params(temperature=0)
+  assert np.asarray(sample(logits, jax.random.key(0), greedy, None, jnp.asarray(bias))).tolist() \
+      == [1, 2, 0]
+  hot = make_sampling_params(temperature=1.5, top_k=3, top_p=0.9, min_p=0.01)
+  mask = np.full((3, 4), -np.inf, np.float32)
+  mask[0, [1, 3]] = 0.0  # Row 0 may only say 1 or 3; row 1 only 2; row 2 only 0.
+  mask[1, 2] = 0.0
+  mask[2, 0] = 0.0
+  draws = np.asarray(_draw_per_key_biased(logits, jax.random.split(jax.random.key(1), 200), hot,
+                                          None, jnp.asarray(mask)))
+  assert set(draws[:, 0]) == {1, 3} and set(draws[:, 1]) == {2} and set(draws[:, 2]) == {0}
+
+
+_draw_per_key_biased = jax.jit(jax.vmap(sample, in_axes=(None, 0, None, None, None)))
+
+
+@pytest.mark.parametrize("name, logits, kw", _path_cases(), ids=[c[0] for c in _path_cases()])
+def test_biased_probs_match_the_reference_on_biased_logits(name, logits, kw):
+  """The bias is added before every filter: the same as sampling from logits + bias."""
+  del name
+  rng = np.random.default_rng(3)
+  bias = rng.normal(size=logits.shape).astype(np.float32)
+  bias[rng.random(logits.shape) < 0.3] = -np.inf  # A grammar's mask, different in every row.
+  params = make_sampling_params(**kw)
+  got = np.asarray(filtered_probs(jnp.asarray(logits), params, None, jnp.asarray(bias)))
+  want = np.asarray(filtered_probs(jnp.asarray(logits + bias), params))
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  assert (got[~np.isfinite(bias)] == 0).all()
+
+
+def test_bias_comes_after_the_penalties():
+  """A seen token's +bias is not divided by the repetition penalty; -inf stays -inf."""
+  logits = jnp.asarray([[2.0, 1.0, 0.0]])
+  recent = jnp.asarray([[0, 1]], jnp.int32)
+  params = make_sampling_params(temperature=0, repeat_penalty=4.0)
+  bias = jnp.asarray([[0.0, 1.2, 0.0]])  # 2/4 = 0.5 < 1/4 + 1.2 = 1.45: token 1.
+  assert int(sample(logits, jax.random.key(0), params, recent, bias)[0]) == 1
+  banned = jnp.asarray([[-jnp.inf, -jnp.inf, 0.0]])
+  assert int(sample(logits, jax.random.key(0), params, recent, banned)[0]) == 2
+
+
+def test_bias_shape_is_checked():
+  with pytest.raises(ValueError, match="bias"):
+    sample(jnp.zeros((2, 5)), jax.random.key(0), make_sampling_params(), None,
+           jnp.zeros((1, 5)))
