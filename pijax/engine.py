@@ -50,11 +50,13 @@ def _next_pow2(n: int) -> int:
 
 # ----------------------------------------------------------------------------- step functions
 # Traceable; the engine jits them with the backend and kv_len static (closed over). With
-# `logprobs`, the sampling steps also return f32[B, V]: log-softmax of the raw logits.
-def _sample(logits, key, sparams, recent, *, logprobs=False):
+# `logprobs`, the sampling steps also return f32[B, V]: log-softmax of the raw logits. A step
+# given `bias` (f32[B, V]: logit_bias, grammar masks; `pijax.grammar`) compiles apart: a run
+# without one runs the very same executables as before.
+def _sample(logits, key, sparams, recent, bias=None, *, logprobs=False):
   """Samples the next token: (token i32[B], key[, log-probs f32[B, V]])."""
   key, sub = jax.random.split(key)
-  token = sampling_lib.sample(logits, sub, sparams, recent)
+  token = sampling_lib.sample(logits, sub, sparams, recent, bias)
   if logprobs:
     return token, key, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   return token, key
@@ -70,12 +72,12 @@ def decode_logits(params, state, tokens, pos, *, backend, kv_len):
   return backend.decode(params, state, tokens, pos, kv_len=kv_len)
 
 
-def prefill_sample(params, state, tokens, length, pos, key, sparams, recent, *, backend, kv_len,
-                   logprobs=False):
+def prefill_sample(params, state, tokens, length, pos, key, sparams, recent, bias=None, *,
+                   backend, kv_len, logprobs=False):
   """Prefill the last chunk + sample the first new token: (token i32[B], state, key, active)."""
   logits, state, active = prefill_logits(params, state, tokens, length, pos, backend=backend,
                                          kv_len=kv_len)
-  token, key, *lp = _sample(logits, key, sparams, recent, logprobs=logprobs)
+  token, key, *lp = _sample(logits, key, sparams, recent, bias, logprobs=logprobs)
   return (token, state, key, active, *lp)
 
 
@@ -86,12 +88,12 @@ def prefill_chunk(params, state, tokens, length, pos, *, backend, kv_len):
   return state, active
 
 
-def decode_sample(params, state, tokens, pos, key, sparams, recent, *, backend, kv_len,
-                  logprobs=False):
+def decode_sample(params, state, tokens, pos, key, sparams, recent, bias=None, *, backend,
+                  kv_len, logprobs=False):
   """Decode one token + sample the next: (token i32[B], state, key, active)."""
   logits, state, active = decode_logits(params, state, tokens, pos, backend=backend,
                                         kv_len=kv_len)
-  token, key, *lp = _sample(logits, key, sparams, recent, logprobs=logprobs)
+  token, key, *lp = _sample(logits, key, sparams, recent, bias, logprobs=logprobs)
   return (token, state, key, active, *lp)
 
 
@@ -381,8 +383,9 @@ class Model:
 
   # ----------------------------------------------------------------------------- running
   def _prefill(self, cache, ids: list[int], key, sparams, recent, stats: GenerationStats,
-               start: int = 0, logprobs: bool = False):
-    """Prefills ids[start:] (ids[:start] are in the cache) in chunks.
+               start: int = 0, logprobs: bool = False, bias: tuple = ()):
+    """Prefills ids[start:] (ids[:start] are in the cache) in chunks; `bias`: () or
+    (f32[1, V],), the first token's sampling bias.
 
     Returns (first sampled token, cache, key, log-probs f32[1, V] or None).
     """
@@ -399,7 +402,8 @@ class Model:
       length = jnp.asarray(len(chunk), jnp.int32)
       jpos = jnp.asarray(pos, jnp.int32)
       if last:
-        args = (self.step_params, cache, jnp.asarray(tokens), length, jpos, key, sparams, recent)
+        args = (self.step_params, cache, jnp.asarray(tokens), length, jpos, key, sparams, recent,
+                *bias)
         exe = self.compiled("prefill_logprobs" if logprobs else "prefill", kv_len, args)
         t0 = time.perf_counter()
         token, cache, key, active, *rest = exe(*args)
@@ -421,7 +425,8 @@ class Model:
                    min_p: float = 0.0, repeat_penalty: float = 1.0,
                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                    repeat_last_n: int = 64, seed: int = 0, session: Session | None = None,
-                   logprobs: bool = False, stats: GenerationStats | None = None
+                   logprobs: bool = False, stats: GenerationStats | None = None,
+                   logit_bias: dict[int, float] | None = None, response_format: Any = None
                    ) -> Iterator[TokenStep]:
     """Generates token ids one at a time: the lowest level of `stream`, for servers.
 
@@ -432,6 +437,7 @@ class Model:
       session: a `Session` whose cache to reuse and keep (None: a fresh cache, freed at the end).
       logprobs: each step also carries f32[vocab] log-probabilities of the raw logits.
       stats: filled as the generation runs (a new one when None).
+      logit_bias, response_format: as for `stream`.
 
     Yields:
       `TokenStep` per sampled token (the stop token included), then one with token_id -1 and
@@ -439,7 +445,8 @@ class Model:
       at once (no further step runs) and frees or keeps the cache as above.
 
     Raises:
-      ConfigError: invalid sampling values. ContextError: ids that do not fit.
+      ConfigError: invalid sampling values or logit_bias. GrammarError: a response_format that
+        does not compile. ContextError: ids that do not fit.
     """
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
     repeat_last_n = _check_int("repeat_last_n", repeat_last_n, 1)
@@ -452,6 +459,12 @@ class Model:
         repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty)
     ids = self.encode_prompt(list(ids) if not isinstance(ids, str) else ids)
+    constraint = None
+    if logit_bias or response_format is not None:
+      from pijax import grammar as grammar_lib
+      constraint = grammar_lib.make_constraint(
+          self.tokenizer, self.config.vocab_size, response_format=response_format,
+          logit_bias=logit_bias)
     if session is not None and session.model is not self:
       raise ConfigError("this Session belongs to another Model (its cache has that model's "
                         "shapes); make one with Session(model) for this model.")
@@ -463,12 +476,12 @@ class Model:
     return self._generate_ids(ids, max_new_tokens=max_new_tokens, sparams=sparams, seed=seed,
                               repeat_last_n=repeat_last_n, stats=stats,
                               stop_ids=self.tokenizer.stop_ids, session=session,
-                              logprobs=logprobs)
+                              logprobs=logprobs, constraint=constraint)
 
   def _generate_ids(self, ids: list[int], *, max_new_tokens: int, sparams, seed: int,
                     repeat_last_n: int, stats: GenerationStats, stop_ids: frozenset[int],
-                    session: Session | None = None, logprobs: bool = False
-                    ) -> Iterator[TokenStep]:
+                    session: Session | None = None, logprobs: bool = False,
+                    constraint=None) -> Iterator[TokenStep]:
     if max_new_tokens == 0:
       yield TokenStep(-1, STOP_LENGTH)
       return
@@ -487,10 +500,16 @@ class Model:
     else:
       cache, start = session._acquire(ids)
     fed = list(ids)  # Tokens whose keys/values the cache will hold.
+    # () or (f32[1, V],): the sampling bias of a constrained run (`pijax.grammar.Constraint`);
+    # a logit_bias alone never changes, so it is sent to the device once.
+    bias = lambda: () if constraint is None else (  # noqa: E731
+        jnp.asarray(constraint.bias()[None]),)
+    if constraint is not None and constraint.fixed:
+      bias = lambda fixed=bias(): fixed  # noqa: E731
     in_step = True  # A donated state is gone while a step runs; an error there loses it.
     try:
       token, cache, key, lp = self._prefill(cache, ids, key, sparams, recent(), stats,
-                                            start=start, logprobs=logprobs)
+                                            start=start, logprobs=logprobs, bias=bias())
       in_step = False
       stats.compile_s = self.compile_s - compile_before
       pos = len(ids)
@@ -514,9 +533,11 @@ class Model:
           raise ContextError("the model was reconfigured (configure_sparse / "
                              "configure_host_weights) during this generation; start a new one.")
         recent_buf.append(tok)
+        if constraint is not None:  # The grammar moves past the token before the next mask.
+          constraint.advance(tok)
         kv_len = self.kv_bucket(pos + 1)
         args = (self.step_params, cache, jnp.asarray([tok], jnp.int32),
-                jnp.asarray(pos, jnp.int32), key, sparams, recent())
+                jnp.asarray(pos, jnp.int32), key, sparams, recent(), *bias())
         compile_before = self.compile_s
         exe = self.compiled("decode_logprobs" if logprobs else "decode", kv_len, args)
         stats.compile_s += self.compile_s - compile_before
@@ -543,7 +564,8 @@ class Model:
              chat: bool = False, parse_special: bool = False,
              stop: str | Sequence[str] | None = None,
              session: Session | None = None, presence_penalty: float = 0.0,
-             frequency_penalty: float = 0.0) -> Stream:
+             frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
+             response_format: Any = None) -> Stream:
     """Generates text, yielding pieces as they are decoded (never half a UTF-8 character).
 
     Args:
@@ -562,12 +584,18 @@ class Model:
         (stop_reason "stop"); no part of it is ever yielded, even when it spans tokens.
       session: a `Session` to reuse the cached prefix of (multi-turn chat) and keep the cache.
       presence_penalty, frequency_penalty: OpenAI's additive penalties (0 = off).
+      logit_bias: OpenAI's {token id: bias in [-100, 100]}, added to the logits before sampling.
+      response_format: constrain the text (`pijax.grammar`): {"type": "json_object"}, {"type":
+        "json_schema", "json_schema": {"name": ..., "schema": {...}}}, or a compiled
+        `pijax.grammar.Grammar` (e.g. `lark_grammar`). The reply ends when the grammar is
+        complete; cut by max_new_tokens or a stop string, it may be incomplete.
 
     Returns:
       A `Stream`; iterate it for text pieces, then read `.result` (GenerationResult).
 
     Raises:
-      ConfigError: invalid sampling parameters or no chat template.
+      ConfigError: invalid sampling parameters or logit_bias, or no chat template.
+      GrammarError: a response_format that does not compile.
       ContextError: empty prompt or a prompt longer than max_seq_len.
     """
     stats = GenerationStats()
@@ -579,7 +607,8 @@ class Model:
                               top_k=top_k, top_p=top_p, min_p=min_p,
                               repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, repeat_last_n=repeat_last_n,
-                              seed=seed, session=session, stats=stats)
+                              seed=seed, session=session, stats=stats, logit_bias=logit_bias,
+                              response_format=response_format)
 
     def pieces() -> Iterator[str]:
       out = TextOut(self.tokenizer, stop)

@@ -44,3 +44,8 @@ class BundleError(PijaxError):
 
 class UnsupportedError(ConfigError):
   """A backend was asked for a model family, switch or mode it does not implement."""
+
+
+class GrammarError(ConfigError):
+  """A response_format, JSON schema or grammar that the grammar engine cannot compile, or a
+  generation that left its grammar."""
