@@ -27,8 +27,15 @@ GLOBAL_ROLES = ("embedding", "final_norm", "lm_head")
 
 # GGUF architecture name -> module under pijax.arch defining FAMILY.
 _FAMILY_MODULES = {"llama": "pijax.arch.llama", "qwen2": "pijax.arch.qwen", "qwen3":
-                   "pijax.arch.qwen", "gemma3": "pijax.arch.gemma3", "phi3": "pijax.arch.phi3"}
+                   "pijax.arch.qwen", "gemma3": "pijax.arch.gemma3", "phi3": "pijax.arch.phi3",
+                   "bamboo": "pijax.arch.bamboo"}
 SUPPORTED_ARCHS = tuple(_FAMILY_MODULES)
+# Architecture names of GGUFs that are not models, and what they are.
+_NOT_MODELS = {
+    "generic.gpu_index": "PowerInfer's GPU placement file (<model>.generated.gpuidx), not a "
+                         "model; pass the model file (pijax.formats.powerinfer.read_gpuidx "
+                         "reads this one)",
+}
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -138,6 +145,8 @@ def get_family(arch: Any, path: str = "the model") -> Family:
     GGUFError: an architecture no family module declares.
   """
   module = _FAMILY_MODULES.get(arch) if isinstance(arch, str) else None
+  if isinstance(arch, str) and arch in _NOT_MODELS:
+    raise GGUFError(f"{path}: architecture {arch!r}: this is {_NOT_MODELS[arch]}.")
   if module is None:
     raise GGUFError(f"{path}: architecture {arch!r} is not supported; pijax runs "
                     f"{', '.join(SUPPORTED_ARCHS)} (SwiGLU, ReGLU, dReLU FFNs).")

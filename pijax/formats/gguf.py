@@ -1,9 +1,11 @@
 """Opening and validating GGUF files (llama.cpp's format; types and sizes from the `gguf` package).
 
 A GGUF file is a header, key/value metadata, tensor infos, then tensor data at
-`general.alignment`-aligned offsets. `open_gguf` reads the header itself (`GGUFFile`), checking
-every count, length, type and tensor extent against the file before it allocates anything a
-size field asks for, so that a bad file gives one `GGUFError` that names it and what is wrong.
+`general.alignment`-aligned offsets. PowerInfer's files are GGUFs whose magic is b"PWRI" (see
+`pijax.formats.powerinfer`); they are read the same way. `open_gguf` reads the header itself
+(`GGUFFile`), checking every count, length, type and tensor extent against the file before it
+allocates anything a size field asks for, so that a bad file gives one `GGUFError` that names it
+and what is wrong.
 (`gguf.GGUFReader` trusts those fields, a lying one made it loop or allocate without bound, and
 keeps a numpy view per metadata element: hundreds of MB for a large vocabulary.)
 """
@@ -24,6 +26,9 @@ from pijax.errors import GGUFError
 from pijax.formats.packed import StringArray
 
 GGUF_MAGIC = b"GGUF"
+# PowerInfer's magic: its converters write a GGUF, then overwrite the first 4 bytes with it.
+POWERINFER_MAGIC = b"PWRI"
+MAGICS = (GGUF_MAGIC, POWERINFER_MAGIC)
 
 
 def _check_path(path: str | os.PathLike[str]) -> str:
@@ -45,9 +50,9 @@ def _check_path(path: str | os.PathLike[str]) -> str:
   except OSError as err:
     raise GGUFError(f"{path}: cannot read the file ({err.strerror or err}); check its "
                     "permissions.") from None
-  if magic != GGUF_MAGIC:
+  if magic not in MAGICS:
     raise GGUFError(
-        f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF'); "
+        f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF', or PowerInfer's b'PWRI'); "
         "convert the model with llama.cpp's convert_hf_to_gguf.py first.")
   return path
 
@@ -347,7 +352,14 @@ class TensorInfo(NamedTuple):
 
   shape: u64[n_dims], ggml order (ne0, the contiguous dimension, first); data: a read-only view
   of the memory map in numpy order: the element dtype for F32/F16/F64/I8-I64, else u8 rows of
-  blocks (`gguf.quant_shape_to_byte_shape`)."""
+  blocks (`gguf.quant_shape_to_byte_shape`).
+
+  source: None for the file's own tensors. A view pijax derives instead (a PowerInfer file's
+  dense `blk.N.ffn_down.weight`, `pijax.formats.powerinfer.dense_views`) names the file tensor
+  it is the transpose of; read its values with `pijax.formats.loader.dequantize`. Its `data`
+  is the transposed view for F32/F16/F64 sources, and for block-quantized ones and BF16 (no
+  block format holds the transpose exactly: `tensor_type` F32) a read-only NaN placeholder,
+  so that reading it directly fails the finite checks."""
   name: str
   tensor_type: gguf.GGMLQuantizationType
   shape: np.ndarray
@@ -355,6 +367,7 @@ class TensorInfo(NamedTuple):
   n_bytes: int
   data_offset: int
   data: np.ndarray
+  source: "TensorInfo | None" = None
 
 
 _PLAIN_DTYPES = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
@@ -371,10 +384,12 @@ class GGUFFile:
 
   Attributes:
     path: the file.
+    magic: b"GGUF", or b"PWRI" for PowerInfer's files.
     metadata: {key: int | float | bool | str | list | StringArray} (arrays of strings are
       `pijax.formats.packed.StringArray`s, other arrays lists).
     value_types: {key: (GGUF value type, array element type or None, array length)}.
-    tensors: [TensorInfo] in file order.
+    tensors: [TensorInfo] in file order; for a PowerInfer file then the views pijax derives so
+      that it reads as the llama GGUF it was converted from (`TensorInfo.source`).
   """
 
   def __init__(self, path: str):
@@ -385,6 +400,7 @@ class GGUFFile:
     except OSError as err:
       raise GGUFError(f"{path}: cannot read the file ({err.strerror or err}); check its "
                       "permissions.") from None
+    self.magic = bytes(self._map[:4])
     self.metadata, self.value_types, infos, data_start = _HeaderScanner(path, self._map).scan()
     data = np.frombuffer(self._map, np.uint8)  # Read-only views of the map.
     self.tensors = []
@@ -402,6 +418,14 @@ class GGUFFile:
         view = data[start:start + n_bytes].view(dtype)
       self.tensors.append(TensorInfo(name, ttype, np.array(dims, dtype=np.uint64), n_elements,
                                      n_bytes, start, view.reshape(np_dims)))
+    if self.powerinfer:
+      from pijax.formats import powerinfer  # It reads files through this module.
+      self.tensors += powerinfer.dense_views(self.tensors)
+
+  @property
+  def powerinfer(self) -> bool:
+    """Whether the magic is PowerInfer's b"PWRI" (a model file or a placement file)."""
+    return self.magic == POWERINFER_MAGIC
 
   def release_pages(self, offset: int = 0, n_bytes: int | None = None) -> None:
     """Drops the file's pages in [offset, offset + n_bytes) (all of them by default) from this
@@ -446,6 +470,8 @@ _KEY_KINDS = {
     "tokenizer.ggml.add_space_prefix": "a bool",
     "tokenizer.chat_template": "a string",
     "pijax.ffn_activation": "a string",
+    "powerinfer.sparse_threshold": "a number",  # PowerInfer's predictor threshold (f32).
+    "split.vram_capacity": "an integer",  # Its placement file's budget (u64 bytes).
     **{f"tokenizer.ggml.{name}_token_id": "an integer" for name in (
         "bos", "eos", "eot", "eom", "unknown", "seperator", "padding", "mask")},
 }

@@ -22,6 +22,7 @@ from pijax import config as config_lib
 from pijax.arch import registry
 from pijax.arch.spec import ModelConfig
 from pijax.errors import GGUFError
+from pijax.formats import powerinfer
 from pijax.formats.gguf import open_gguf
 
 _DTYPES = {"float32": np.float32, "f32": np.float32, "bfloat16": ml_dtypes.bfloat16,
@@ -55,9 +56,17 @@ def dequantize(tensor: Any, path: str, dtype: np.dtype = np.dtype(np.float32),
   Rows are dequantized in chunks so the f32 temporaries of `gguf.quants.dequantize` stay
   bounded (a few MB) whatever the tensor size.
 
+  A view pijax derives (`tensor.source`: a PowerInfer file's dense ffn_down, the transpose of
+  its ffn_down_t) is read from its source: dequantized, then transposed.
+
   Raises:
     GGUFError: a type gguf.quants cannot dequantize, or corrupt data.
   """
+  source = getattr(tensor, "source", None)
+  if source is not None:
+    full = dequantize(source, path)  # [in, out] of the view.
+    cols = full if rows is None else full[:, rows[0]:rows[1]]
+    return np.ascontiguousarray(cols.T, dtype)
   shape = tuple(int(d) for d in reversed(tensor.shape))
   data = tensor.data
   n_rows = data.shape[0] if data.ndim > 1 else 1
@@ -132,6 +141,9 @@ def read_gguf(path: str | os.PathLike[str], *, ffn_activation: str | None = None
   """(config, metadata) of a GGUF, checking that every tensor the model needs is present with
   its shape and a type `dequantize` reads (one row of each is decoded; no tensor is loaded).
 
+  A PowerInfer file (magic b"PWRI") also has its own tensors' shapes checked
+  (`powerinfer.check_layout`); its predictors are not read here (`powerinfer.read_predictors`).
+
   Raises:
     GGUFError: any problem with the file (see `open_gguf`, `config_from_metadata`), a missing
       tensor or one of the wrong shape.
@@ -140,16 +152,25 @@ def read_gguf(path: str | os.PathLike[str], *, ffn_activation: str | None = None
   reader, metadata = open_gguf(path)
   tensors = {t.name: t for t in reader.tensors}
   cfg = registry.config_from_metadata(metadata, path, tensors, ffn_activation)
+  if reader.powerinfer:
+    powerinfer.check_layout(tensors, cfg.n_layers, cfg.hidden_size, cfg.intermediate_size, path)
   for _, _, where, shape in weight_plan(cfg, path):
     if where.name not in tensors:
-      raise GGUFError(f"{path}: tensor {where.name!r} is missing; the file is incomplete.")
-    rows = _slice_rows(tensors[where.name], where, shape, path)
-    # One row through the dequantizer: an unsupported type fails here, at load, not later.
-    if len(shape) == 2:
+      hint = ""
+      if reader.powerinfer and where.name.endswith(".ffn_down.weight"):
+        hint = " (PowerInfer files hold it as ffn_down_t; that is missing too)"
+      raise GGUFError(f"{path}: tensor {where.name!r} is missing{hint}; the file is incomplete.")
+    tensor = tensors[where.name]
+    rows = _slice_rows(tensor, where, shape, path)
+    # One row through the dequantizer: an unsupported type fails here, at load, not later (a
+    # derived view: one row of its source).
+    if tensor.source is not None:
+      dequantize(tensor.source, path, rows=(0, 1))
+    elif len(shape) == 2:
       lo = rows[0] if rows else 0
-      dequantize(tensors[where.name], path, rows=(lo, lo + 1))
+      dequantize(tensor, path, rows=(lo, lo + 1))
     else:
-      dequantize(tensors[where.name], path)
+      dequantize(tensor, path)
   return cfg, metadata
 
 
