@@ -19,6 +19,15 @@ gate and up independent and symmetric ~75% of FFN neurons are inactive per token
 construction: the case where gate-first sparsity (`--gate_sparse`) skips up and down rows
 exactly. llama.cpp ignores the key and runs the file as a dense SwiGLU model (the same bytes).
 
+`--format powerinfer` writes the model in PowerInfer's layout instead (magic b"PWRI", per-layer
+fc1/fc2 predictors, ffn_down_t, `powerinfer.sparse_threshold`): a ReLU model whose neurons are
+~90% inactive with a low-rank structure its analytically derived predictors find (see
+synthetic_powerinfer.py), then measures their recall and precision on the file's activations
+(`--measure_tokens`), and with `--gpuidx_bytes` writes PowerInfer's placement file beside it:
+
+  .venv/bin/python scripts/make_synthetic_gguf.py --format powerinfer --activation relu \
+      --type Q4_0 --out /tmp/syn/synthetic-7b-relu.powerinfer.q4_0.gguf
+
 Tensors are written one at a time (streamed: memory stays ~ one tensor); the file goes to a
 temp name and is renamed when complete.
 """
@@ -26,6 +35,7 @@ temp name and is renamed when complete.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -38,9 +48,10 @@ SHAPES = {"llama2-7b": dict(hidden=4096, ffn=11008, layers=32, heads=32, kv_head
           # The smallest shape on which Q4_K_M's per-layer mix shows (256-value blocks, 8 layers).
           "tiny-k": dict(hidden=256, ffn=512, layers=8, heads=4, kv_heads=2, vocab=512)}
 # Bytes per block and values per block of each GGML type written here.
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
-BLOCK_VALUES = {"Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q6_K": 256}
-TYPES = ("Q4_1", "Q8_0", "Q4_K_M")
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210, "F16": 2}
+BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q8_0": 32, "Q4_K": 256, "Q6_K": 256, "F16": 1}
+TYPES = ("Q4_1", "Q8_0", "Q4_K_M", "Q4_0")
+FORMATS = ("gguf", "powerinfer")
 
 
 def tensor_type(qtype: str, name: str, layer: int | None, n_layers: int, cols: int) -> str:
@@ -73,9 +84,15 @@ _CHUNK_ROWS = 1024  # Rows generated at once (bounded memory for the 131k-row ma
 
 def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str,
                   std: float = 0.02) -> np.ndarray:
-  """u8[rows, cols / block_values * block_bytes]: GGUF blocks of `qtype` (Q4_1, Q8_0, Q4_K,
-  Q6_K) of random codes with weights of mean ~0 and standard deviation ~std."""
+  """u8[rows, cols / block_values * block_bytes]: GGUF blocks of `qtype` (Q4_0, Q4_1, Q8_0,
+  Q4_K, Q6_K) of random codes with weights of mean ~0 and standard deviation ~std."""
   nb = cols // BLOCK_VALUES[qtype]
+  if qtype == "Q4_0":  # w = d (q - 8); q uniform 1..15, so q - 8 is symmetric (std 4.32).
+    d = np.frombuffer(np.float16(std / 4.32).tobytes(), np.uint8)
+    nib = rng.integers(1, 16, (rows, nb, 16, 2), dtype=np.uint8)
+    codes = nib[..., 0] | (nib[..., 1] << 4)
+    return np.concatenate([np.broadcast_to(d, (rows, nb, 2)), codes],
+                          axis=2).reshape(rows, nb * 18)
   if qtype == "Q4_K":  # w = d sc q - dmin m per 32 values; q uniform 0..15 (mean 7.5, std 4.6).
     sc = rng.integers(24, 41, (rows, nb, 8), dtype=np.uint8)
     d = np.float16(std / (32 * 4.6))
@@ -138,7 +155,8 @@ def _write_to(tmp, gguf, s, qtype, activation, seed, shape) -> None:
   w.add_rope_dimension_count(hd)
   w.add_vocab_size(vocab)
   w.add_file_type({"Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                   "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M}[qtype])
+                   "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+                   "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype])
   if activation != "silu":
     w.add_string("pijax.ffn_activation", activation)
   w.add_tokenizer_model("gpt2")
@@ -195,9 +213,23 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, help="GGUF file to write (replaced if it exists)")
   parser.add_argument("--shape", default="llama2-7b", choices=sorted(SHAPES))
-  parser.add_argument("--type", default="Q4_1", choices=TYPES)
-  parser.add_argument("--activation", default="drelu", choices=["drelu", "silu", "relu"])
+  parser.add_argument("--format", default="gguf", choices=FORMATS,
+                      help="gguf: random blocks; powerinfer: PowerInfer's layout with predictors")
+  parser.add_argument("--type", default=None, choices=sorted(set(TYPES) | {"F16"}),
+                      help="default Q4_1 (gguf), Q4_0 (powerinfer; Q8_0, F16 there too)")
+  parser.add_argument("--activation", default=None, choices=["drelu", "silu", "relu"],
+                      help="default drelu (gguf), relu (powerinfer: relu is ReGLU `llama`, drelu "
+                      "dReLU `bamboo`)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--threshold", type=float, default=None,
+                      help="powerinfer: the predictor threshold written to the file")
+  parser.add_argument("--measure_tokens", type=int, default=256,
+                      help="powerinfer: tokens to measure the predictors on (0: skip)")
+  parser.add_argument("--gpuidx_bytes", type=int, default=None,
+                      help="powerinfer: also write OUT.generated.gpuidx for this GPU budget")
+  parser.add_argument("--dense_twin", default=None,
+                      help="powerinfer: also write this plain GGUF of the same weights (down "
+                      "re-blocked from ffn_down_t in the file's type)")
   args = parser.parse_args()
   # Everything checked before the first byte is written.
   if not args.out or args.out.endswith(os.sep) or os.path.isdir(args.out):
@@ -209,13 +241,80 @@ def main() -> None:
     _fail(f"cannot write in {folder} (--out); choose a writable folder.")
   if args.seed < 0:
     _fail(f"--seed={args.seed} must be >= 0.")
+  if args.format == "powerinfer":
+    _main_powerinfer(args)
+    return
+  extra = [f"--{k}" for k in ("threshold", "gpuidx_bytes", "dense_twin")
+           if getattr(args, k) is not None]
+  if extra:
+    _fail(f"{', '.join(extra)} need --format powerinfer.")
+  qtype, activation = args.type or "Q4_1", args.activation or "drelu"
+  if qtype not in TYPES:
+    _fail(f"--type {qtype} is for --format powerinfer; use one of {', '.join(TYPES)}.")
   t0 = time.perf_counter()
   try:
-    size = write(args.out, shape=args.shape, qtype=args.type, activation=args.activation,
-                 seed=args.seed)
+    size = write(args.out, shape=args.shape, qtype=qtype, activation=activation, seed=args.seed)
   except OSError as err:
     _fail(f"writing {args.out} failed ({err.strerror or err}); nothing was written.")
   print(f"{args.out}: {size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
+
+
+def _main_powerinfer(args: argparse.Namespace) -> None:
+  """--format powerinfer: write, then place, measure and twin as asked; prints each result."""
+  import synthetic_powerinfer as spi
+  from pijax.errors import PijaxError
+  qtype, activation = args.type or "Q4_0", args.activation or "relu"
+  threshold = spi.DEFAULT_THRESHOLD if args.threshold is None else args.threshold
+  if qtype not in spi.TYPES or activation not in spi.ACTIVATIONS:
+    _fail(f"--format powerinfer writes --type {' / '.join(spi.TYPES)} with --activation "
+          f"{' / '.join(spi.ACTIVATIONS)} (PowerInfer runs only ReLU families); got --type "
+          f"{qtype} --activation {activation}.")
+  if not math.isfinite(threshold) or args.measure_tokens < 0 or (args.gpuidx_bytes or 0) < 0:
+    _fail("--threshold must be finite, --measure_tokens and --gpuidx_bytes >= 0.")
+  t0 = time.perf_counter()
+  try:
+    size, design = spi.write(args.out, shape=args.shape, qtype=qtype, activation=activation,
+                             seed=args.seed, threshold=threshold)
+    print(f"{args.out}: {size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s "
+          f"(PowerInfer layout, {qtype}, {activation}; predictors {design.types['predictor']}, "
+          f"ranks {sorted(set(design.ranks))}, threshold {threshold:g})")
+    masks = None
+    if args.gpuidx_bytes is not None:
+      out, masks = spi.write_gpuidx(args.out, design, args.gpuidx_bytes)
+      hot = [int(m.sum()) for m in masks]
+      print(f"{out}: {sum(hot)} GPU neurons for {args.gpuidx_bytes} bytes (per layer "
+            f"{min(hot)}-{max(hot)})")
+    if args.measure_tokens:
+      t1 = time.perf_counter()
+      stats = spi.measure(args.out, args.measure_tokens, gpu_masks=masks)
+      _print_stats(stats, args.measure_tokens, time.perf_counter() - t1)
+    if args.dense_twin:
+      t1 = time.perf_counter()
+      twin = spi.write_dense_twin(args.out, args.dense_twin)
+      print(f"{args.dense_twin}: {twin / 1e9:.2f} GB plain GGUF twin in "
+            f"{time.perf_counter() - t1:.1f} s")
+  except OSError as err:
+    _fail(f"writing {args.out} failed ({err.strerror or err}).")
+  except PijaxError as err:
+    _fail(str(err))
+
+
+def _print_stats(stats, n_tokens: int, seconds: float) -> None:
+  """One line per layer (the first 4 and last 2 of a deep model) and the mean."""
+  def line(tag, s):
+    share = "" if s.gpu_share is None else f"  on GPU {s.gpu_share:.3f}"
+    return (f"  {tag:>6}  recall {s.recall:.3f}  precision {s.precision:.3f}  predicted "
+            f"sparsity {s.predicted_sparsity:.3f}  true sparsity {s.true_sparsity:.3f}{share}")
+  print(f"predictors on the file's own activations ({n_tokens} one-token sequences, "
+        f"{seconds:.1f} s):")
+  shown = range(len(stats)) if len(stats) <= 6 else [0, 1, 2, 3, len(stats) - 2, len(stats) - 1]
+  for i in shown:
+    print(line(f"layer {i}", stats[i]))
+  mean = type(stats[0])(*(None if getattr(stats[0], f) is None else
+                          float(np.mean([getattr(s, f) for s in stats]))
+                          for f in ("recall", "precision", "predicted_sparsity",
+                                    "true_sparsity", "gpu_share")))
+  print(line("mean", mean))
 
 
 if __name__ == "__main__":
