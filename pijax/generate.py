@@ -2,7 +2,11 @@
 
 stdout carries only the generated text, streamed as it is produced; stderr carries logs and
 one closing stats line. Bad input (missing/corrupt model, prompt longer than the context,
-invalid sampling values) gives one line on stderr and exit status 2.
+invalid sampling values, a schema or grammar that does not compile) gives one line on stderr
+and exit status 2.
+
+Constrained output (`pijax.grammar`): `--response_format=json_object`, `--json_schema=FILE` (a
+JSON Schema), or `--grammar=FILE` (a Lark grammar); `--logit_bias=ID:BIAS,...` as OpenAI's.
 """
 
 from __future__ import annotations
@@ -32,6 +36,17 @@ _PARSE_SPECIAL = flags.DEFINE_boolean(
     "special tokens instead of plain text.")
 _MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", None, "KV cache length (tokens).")
 _DTYPE = flags.DEFINE_string("dtype", None, "float32 (CPU) or bfloat16 (GPU).")
+_RESPONSE_FORMAT = flags.DEFINE_string(
+    "response_format", None, "text (default) or json_object (the reply is one JSON object); "
+    "see also --json_schema and --grammar.")
+_JSON_SCHEMA = flags.DEFINE_string("json_schema", None, "A JSON Schema file: the reply is JSON "
+                                   "that validates against it.")
+_GRAMMAR = flags.DEFINE_string("grammar", None, "A Lark grammar file (llguidance syntax, e.g. "
+                               "start: \"yes\" | \"no\"): the reply is a sentence of it.")
+_LOGIT_BIAS = flags.DEFINE_list("logit_bias", [], "Token id:bias pairs added to the logits, "
+                                "bias in [-100, 100] (e.g. 42:100,7:-100).")
+
+
 def _pick(flag, default):
   return default if flag.value is None else flag.value
 
@@ -92,6 +107,7 @@ def main(argv: list[str]) -> None:
       min_p=_pick(_MIN_P, sampling.min_p),
       repeat_penalty=_pick(_REPEAT_PENALTY, sampling.repeat_penalty))
   make_sampling_params(**sampling_kwargs)  # Fail on bad values before loading the model.
+  response_format, logit_bias = _constraint_flags()
   sparse_flags.check(cfg, model=_pick(_MODEL, cfg.model))
   model = pijax.load(_pick(_MODEL, cfg.model), dtype=_pick(_DTYPE, cfg.dtype),
                      max_seq_len=max_seq_len,
@@ -105,7 +121,9 @@ def main(argv: list[str]) -> None:
       repeat_last_n=_pick(_REPEAT_LAST_N, sampling.repeat_last_n),
       seed=_pick(_SEED, sampling.seed),
       chat=_CHAT.value,
-      parse_special=_PARSE_SPECIAL.value)
+      parse_special=_PARSE_SPECIAL.value,
+      logit_bias=logit_bias,
+      response_format=_compile(model, response_format))
   for piece in stream:
     sys.stdout.write(piece)
     sys.stdout.flush()
@@ -113,6 +131,70 @@ def main(argv: list[str]) -> None:
   sys.stdout.flush()
   result = stream.result
   sys.stderr.write(result.stats.summary(result.stop_reason) + "\n")
+
+
+def _read(flag) -> str:
+  from pijax.errors import ConfigError
+  try:
+    with open(flag.value, encoding="utf-8") as f:
+      return f.read()
+  except (OSError, UnicodeDecodeError) as err:
+    raise ConfigError(f"cannot read --{flag.name}={flag.value!r} "
+                      f"({getattr(err, 'strerror', None) or err}).") from None
+
+
+def _constraint_flags():
+  """(response_format: None, a dict or ("lark", text), logit_bias: {id: bias}) from the flags,
+  read and checked before the model loads. Raises ConfigError naming the flag."""
+  from pijax.errors import ConfigError
+  given = [f"--{f.name}" for f in (_RESPONSE_FORMAT, _JSON_SCHEMA, _GRAMMAR)
+           if f.value is not None]
+  if len(given) > 1:
+    raise ConfigError(f"{' and '.join(given)} both constrain the reply; give one of them.")
+  response_format = None
+  if _RESPONSE_FORMAT.value is not None:
+    if _RESPONSE_FORMAT.value not in ("text", "json_object"):
+      raise ConfigError(f"--response_format={_RESPONSE_FORMAT.value!r} must be text or "
+                        "json_object (use --json_schema=FILE for a schema).")
+    response_format = {"type": _RESPONSE_FORMAT.value}
+  elif _JSON_SCHEMA.value is not None:
+    import json
+    try:
+      schema = json.loads(_read(_JSON_SCHEMA))
+    except json.JSONDecodeError as err:
+      raise ConfigError(f"--json_schema={_JSON_SCHEMA.value!r} is not JSON ({err}).") from None
+    response_format = {"type": "json_schema",
+                       "json_schema": {"name": _JSON_SCHEMA.value, "schema": schema}}
+  elif _GRAMMAR.value is not None:
+    response_format = ("lark", _read(_GRAMMAR))
+  logit_bias = {}
+  for pair in _LOGIT_BIAS.value:
+    token, sep, bias = pair.partition(":")
+    try:
+      logit_bias[int(token)] = float(bias)
+    except ValueError:
+      sep = ""
+    if not sep:
+      raise ConfigError(f"--logit_bias entry {pair!r} must be TOKEN_ID:BIAS, e.g. 42:100.")
+  from pijax import grammar as grammar_lib
+  limit = grammar_lib.LOGIT_BIAS_LIMIT
+  for token, bias in logit_bias.items():  # Token ids past the vocabulary: once it is loaded.
+    if token < 0 or not -limit <= bias <= limit:  # False for NaN.
+      raise ConfigError(f"--logit_bias entry {token}:{bias:g} must be a token id >= 0 and a "
+                        f"bias in [-{limit:g}, {limit:g}].")
+  return response_format, logit_bias
+
+
+def _compile(model, response_format):
+  """The Grammar of `_constraint_flags`' response_format for this model (GrammarError names the
+  file when it does not compile)."""
+  from pijax import grammar as grammar_lib
+  if isinstance(response_format, tuple):
+    return grammar_lib.lark_grammar(model.tokenizer, response_format[1],
+                                    name=f"Lark grammar {_GRAMMAR.value!r}",
+                                    vocab_size=model.config.vocab_size)
+  return grammar_lib.response_format_grammar(model.tokenizer, response_format,
+                                             vocab_size=model.config.vocab_size)
 
 
 if __name__ == "__main__":

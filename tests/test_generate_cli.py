@@ -288,3 +288,62 @@ def test_max_seq_len_zero_in_flagfile_or_config(tmp_path):
 def test_bad_values_refused_before_load(cli, args, needle, tmp_path):
   args = [a.format(tmp=tmp_path) for a in args]
   _assert_cli_refused(_run_cli(cli, *args), cli, needle)
+
+
+# ------------------------------------------------------------------ constrained output (issue 31)
+PERSON_SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 20},
+    "population": {"type": "integer", "minimum": 0, "maximum": 100000000}},
+    "required": ["city", "population"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("content, flag, needles", [
+    ('{"type": "strin"}', "--json_schema", ["json_schema", "schema.txt", "strin"]),
+    ("{not json", "--json_schema", ["--json_schema", "not JSON"]),
+    ("start: nowhere", "--grammar", ["Lark grammar", "schema.txt"]),
+    (None, "--json_schema", ["cannot read", "schema.txt"]),
+])
+def test_bad_schema_or_grammar_is_one_line(tmp_path, content, flag, needles):
+  path = tmp_path / "schema.txt"
+  if content is not None:
+    path.write_text(content)
+  _assert_one_line_error(_run(CONFIG, "--prompt=hi", f"{flag}={path}"), *needles)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--response_format=yaml"], "--response_format"),
+    (["--response_format=json_object", "--grammar=x.lark"], "give one of them"),
+    (["--logit_bias=5"], "TOKEN_ID:BIAS"),
+    (["--logit_bias=5:300"], "[-100, 100]"),
+    (["--logit_bias=7:nan"], "[-100, 100]"),
+    (["--logit_bias=-3:1"], "token id >= 0"),
+])
+def test_bad_constraint_flags_are_refused_before_load(args, needle, tmp_path):
+  """Checked before the model loads: a missing model file is not what the error names."""
+  _assert_one_line_error(_run(CONFIG, "--prompt=hi", f"--model={tmp_path / 'none.gguf'}", *args),
+                         needle)
+
+
+def test_logit_bias_past_the_vocabulary_is_one_line():
+  _assert_one_line_error(_run(CONFIG, "--prompt=hi", "--logit_bias=99999999:1"),
+                         "logit_bias", "99999999", "49152")
+
+
+@pytest.mark.slow
+def test_json_schema_from_the_cli(tmp_path):
+  import json
+  path = tmp_path / "city.json"
+  path.write_text(json.dumps(PERSON_SCHEMA))
+  proc = _run(CONFIG, "--prompt=The largest city of Japan, as JSON.", "--chat",
+              f"--json_schema={path}", "--temperature=0.9", "--seed=3", "--max_new_tokens=80",
+              "--host_dot=f32")
+  assert proc.returncode == 0, proc.stderr
+  value = json.loads(proc.stdout)
+  assert set(value) == {"city", "population"} and isinstance(value["population"], int)
+  assert "stop: eos" in proc.stderr
+  proc = _run(CONFIG, "--prompt=Is Paris in France?", "--chat", f"--grammar={tmp_path / 'g'}")
+  assert proc.returncode == 2  # A missing grammar file.
+  (tmp_path / "g").write_text('start: "yes" | "no"')
+  proc = _run(CONFIG, "--prompt=Is Paris in France?", "--chat", f"--grammar={tmp_path / 'g'}",
+              "--logit_bias=2:-5", "--host_dot=f32")
+  assert proc.returncode == 0 and proc.stdout.strip() in ("yes", "no"), proc.stderr
