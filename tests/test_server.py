@@ -603,3 +603,123 @@ def test_ctrl_c_while_the_server_starts_is_one_line(after):
   assert (proc.returncode, err.strip().splitlines()[-1]) in (
       (130, "pijax.serve: interrupted"), (0, "pijax.serve: stopped")), err
   assert "Traceback" not in err, err
+
+
+# ------------------------------------------------------- structured output, logit_bias (issue 31)
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"enum": ["cat", "dog", "none"]},
+    },
+    "required": ["name", "age", "pet"],
+    "additionalProperties": False,
+}
+ASK_JSON = [{"role": "user", "content": "Describe a person as a JSON object."}]
+
+
+def _check_person(text):
+  value = json.loads(text)
+  assert isinstance(value, dict) and set(value) == {"name", "age", "pet"}, value
+  assert isinstance(value["name"], str) and len(value["name"]) <= 20
+  assert isinstance(value["age"], int) and not isinstance(value["age"], bool)
+  assert 0 <= value["age"] <= 120 and value["pet"] in ("cat", "dog", "none")
+
+
+@pytest.fixture(scope="module")
+def vocab(smollm2_path):
+  """The default model's tokenizer (metadata only), for token ids."""
+  from pijax.text.tokenizer import Tokenizer
+  return Tokenizer.from_gguf(smollm2_path)
+
+
+def test_json_schema_replies_parse_and_validate(client, server):
+  """Sampled at temperature 0.9 with several seeds, on both routes and streamed: every reply
+  is JSON that validates, and it ends (finish_reason "stop") when the JSON is complete."""
+  fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                "strict": True}}
+  for seed in range(4):
+    r = client.chat.completions.create(model=server["model"], messages=ASK_JSON,
+                                       temperature=0.9, seed=seed, max_tokens=120,
+                                       response_format=fmt)
+    assert r.choices[0].finish_reason == "stop", r
+    _check_person(r.choices[0].message.content)
+  r = client.completions.create(model=server["model"], prompt="A person, as JSON:",
+                                temperature=0.9, seed=5, max_tokens=120,
+                                extra_body={"response_format": fmt})
+  assert r.choices[0].finish_reason == "stop"
+  _check_person(r.choices[0].text)
+  chunks = list(client.chat.completions.create(model=server["model"], messages=ASK_JSON,
+                                               temperature=0.9, seed=6, max_tokens=120,
+                                               response_format=fmt, stream=True))
+  _check_person("".join(c.choices[0].delta.content or "" for c in chunks))
+  assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_json_object_replies_are_json_objects(client, server):
+  """json_object: a reply that ends by itself is one JSON object; one cut by max_tokens used
+  them all (a free-form object at temperature 0.9 may ramble in a string)."""
+  stopped = 0
+  for seed in range(4):
+    r = client.chat.completions.create(model=server["model"], messages=ASK_JSON,
+                                       temperature=0.9, seed=seed, max_tokens=150,
+                                       response_format={"type": "json_object"})
+    choice = r.choices[0]
+    if choice.finish_reason == "stop":
+      stopped += 1
+      assert isinstance(json.loads(choice.message.content), dict)
+    else:
+      assert r.usage.completion_tokens == 150
+      assert choice.message.content.lstrip().startswith("{")
+  assert stopped >= 2
+  r = client.completions.create(model=server["model"], prompt="{", temperature=0,
+                                max_tokens=150, extra_body={"response_format":
+                                                            {"type": "json_object"}})
+  assert r.choices[0].finish_reason != "stop" or isinstance(json.loads(r.choices[0].text), dict)
+
+
+@pytest.mark.parametrize("fmt, words", [
+    ({"type": "json_schema", "json_schema": {"name": "broken", "schema": {"type": "strin"}}},
+     ["json_schema 'broken'", "strin"]),
+    ({"type": "json_schema", "json_schema": {"name": "dangling", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/nowhere"}}}}},
+     ["json_schema 'dangling'", "nowhere"]),
+    ({"type": "yaml"}, ["'yaml'"]),
+])
+def test_a_schema_that_does_not_compile_is_400_naming_it(client, server, fmt, words):
+  for call in (lambda: client.chat.completions.create(model=server["model"], messages=QUESTION,
+                                                      max_tokens=4, response_format=fmt),
+               lambda: client.completions.create(model=server["model"], prompt="Hi",
+                                                 max_tokens=4,
+                                                 extra_body={"response_format": fmt})):
+    with pytest.raises(openai.BadRequestError) as err:
+      call()
+    body = err.value.body
+    assert set(body) == {"message", "type", "param", "code"}
+    assert body["param"] == "response_format" and body["type"] == "invalid_request_error"
+    for word in words:
+      assert word in body["message"], body
+
+
+def test_logit_bias_forces_and_bans_tokens(client, server, vocab):
+  prompt = "The capital of France is"
+  greedy = client.completions.create(model=server["model"], prompt=prompt, temperature=0,
+                                     max_tokens=1).choices[0].text
+  paris, = vocab.encode(greedy, add_special=False)
+  london, = vocab.encode(" London", add_special=False)
+  banned = client.completions.create(model=server["model"], prompt=prompt, temperature=0,
+                                     max_tokens=1, logit_bias={str(paris): -100})
+  assert banned.choices[0].text not in ("", greedy)
+  forced = client.completions.create(model=server["model"], prompt=prompt, temperature=0.9,
+                                     seed=1, max_tokens=3, logit_bias={str(london): 100})
+  assert forced.choices[0].text == " London" * 3
+  chat = client.chat.completions.create(model=server["model"], messages=QUESTION,
+                                        temperature=0, max_tokens=2,
+                                        logit_bias={str(london): 100})
+  assert chat.choices[0].message.content == " London" * 2
+  for bias in ({str(london): 150}, {"49152": 1}, {"x": 1}):
+    with pytest.raises(openai.BadRequestError) as err:
+      client.completions.create(model=server["model"], prompt=prompt, max_tokens=1,
+                                logit_bias=bias)
+    assert err.value.body["param"] == "logit_bias"

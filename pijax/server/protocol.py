@@ -1,9 +1,10 @@
 """OpenAI-compatible request models (pydantic) and the shape of error bodies.
 
 Field names, ranges and defaults follow the OpenAI API reference ("Create chat completion",
-"Create completion"); the llama.cpp extras `top_k`, `min_p` and `repeat_penalty` are accepted as
-llama-server and vLLM accept them. Unknown fields are ignored. Values outside a range are
-refused with 400 and an OpenAI error body naming the field (`param`).
+"Create completion"), `response_format` and `logit_bias` included; the llama.cpp extras `top_k`,
+`min_p` and `repeat_penalty` are accepted as llama-server and vLLM accept them. Unknown fields are
+ignored. Values outside a range are refused with 400 and an OpenAI error body naming the field
+(`param`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,12 @@ class _Sampling(BaseModel):
   stream_options: StreamOptions | None = None
   n: StrictInt = Field(default=1, ge=1, le=1)  # One choice per request.
   user: str | None = None
+  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}; its shape and schema
+  # are checked when it is compiled (`pijax.grammar.response_format_grammar`): 400 naming it.
+  response_format: dict[str, Any] | None = None
+  # Token id (a decimal string: JSON object keys) -> bias in [-100, 100], checked against the
+  # vocabulary by `pijax.grammar.check_logit_bias`.
+  logit_bias: dict[str, float] | None = None
 
   @pydantic.field_validator("stop")
   @classmethod

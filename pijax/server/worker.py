@@ -67,7 +67,8 @@ class Job:
   Args:
     ids: prompt token ids (they fit max_seq_len).
     max_tokens: generated tokens at most (None: up to the context's end).
-    sampling: keyword arguments of `Model.generate_ids` (temperature, top_p, seed, ...).
+    sampling: keyword arguments of `Model.generate_ids` (temperature, top_p, seed, ...,
+      logit_bias, response_format: a compiled `pijax.grammar.Grammar`).
     stop: stop strings.
     top_logprobs: None (no logprobs) or how many alternatives per token (0..20).
   """
@@ -258,12 +259,25 @@ class Worker:
 
 def warm_up(model, stop: threading.Event | None = None) -> float:
   """Compiles the decode step and the prefill of every prompt bucket up to one chunk (16, 32,
-  ..., 512 tokens), so no request waits for a compile; returns the seconds spent."""
+  ..., 512 tokens), so no request waits for a compile, and the biased sampling step of
+  logit_bias / response_format requests (with the grammar engine's tokenizer); returns the
+  seconds spent."""
   from pijax import engine
+  from pijax import grammar as grammar_lib
+  from pijax.errors import ConfigError
   start = time.perf_counter()
   # Any ids compile the same executables; a vocabulary that cannot spell "Hello" gets token 0.
   ids = model.tokenizer.encode("Hello") or [0]
   for _ in model.generate_ids(ids, max_new_tokens=2):
+    pass
+  try:  # A json_object grammar: the biased steps, and llguidance's view of the vocabulary.
+    json_object = grammar_lib.response_format_grammar(
+        model.tokenizer, {"type": "json_object"}, vocab_size=model.config.vocab_size)
+  except ConfigError as err:  # No llguidance: such requests get a 400 saying so.
+    logging.warning("structured output is off: %s", err)
+    json_object = None
+  for _ in model.generate_ids(ids, max_new_tokens=2, logit_bias={ids[0]: 0.0},
+                             response_format=json_object):
     pass
   n = 2 * engine.MIN_PREFILL_BUCKET
   while n <= min(engine.PREFILL_CHUNK, model.max_seq_len):
