@@ -5,6 +5,8 @@ page at `/` (see `pijax.server.app`). The port opens at once; the model loads an
 the background while `/health` answers 503, then 200. Takes the sparse / placement / host
 flags of `pijax.generate`. Needs the `server` extra (`pip install -e '.[server]'`).
 Bad flags, a port in use or a model that fails to load: one line on stderr, exit status 2.
+Only requests naming this server in `Host` are answered (403 otherwise; `--allowed_hosts`);
+`--api_key` requires a Bearer key; a bind beyond loopback without one prints a warning.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ _MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "Reply tokens at most for
                                    "default: up to the context's end.", lower_bound=1)
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile the prefill and decode steps before "
                             "reporting ready.")
+_ALLOWED_HOSTS = flags.DEFINE_list("allowed_hosts", [], "Names clients may send in the Host "
+                                   "header besides localhost, 127.0.0.1, [::1] and --host "
+                                   "(comma-separated; '*' allows any, e.g. behind a proxy). "
+                                   "Others get 403 (DNS rebinding).")
+_API_KEY = flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer KEY' on every "
+                               "route but /health and / (401 otherwise). Without it, a server "
+                               "bound beyond loopback is open to the network.")
 
 
 
@@ -120,13 +129,17 @@ def main(argv: list[str]) -> None:
   if model_arg != "default" and not os.path.exists(model_arg):
     raise ConfigError(f"--model={model_arg!r} does not exist; give a GGUF file, a bundle "
                       "folder or 'default'.")
+  from pijax.server import access
+  api_key = access.check_api_key(_API_KEY.value)
   _precheck_model(model_arg, _DTYPE.value)
   _check_port(_HOST.value, _PORT.value)
 
   from pijax.server.app import ServerState, create_app
   from pijax.server import worker as worker_lib
   state = ServerState(_model_id(model_arg), max_queue=_MAX_QUEUE.value,
-                      cache_slots=_CACHE_SLOTS.value, max_tokens=_MAX_TOKENS.value)
+                      cache_slots=_CACHE_SLOTS.value, max_tokens=_MAX_TOKENS.value,
+                      host=_HOST.value, allowed_hosts=tuple(_ALLOWED_HOSTS.value),
+                      api_key=api_key)
   app = create_app(state)
   config = uvicorn.Config(app, host=_HOST.value, port=_PORT.value, log_level="warning",
                           access_log=False, timeout_graceful_shutdown=5,
@@ -184,6 +197,10 @@ def main(argv: list[str]) -> None:
 
   sys.stderr.write(f"{PROG}: listening on http://{_HOST.value}:{_PORT.value} "
                    f"(loading {model_arg})\n")
+  if api_key is None and not access.is_loopback_bind(_HOST.value):
+    sys.stderr.write(f"{PROG}: warning: --host={_HOST.value} is reachable from the network and "
+                     "there is no --api_key: anyone who can reach this port can use the "
+                     "model.\n")
   sys.stderr.flush()
   loader = threading.Thread(target=load, name="pijax-load", daemon=True)
   loader.start()

@@ -723,3 +723,56 @@ def test_logit_bias_forces_and_bans_tokens(client, server, vocab):
       client.completions.create(model=server["model"], prompt=prompt, max_tokens=1,
                                 logit_bias=bias)
     assert err.value.body["param"] == "logit_bias"
+
+
+# ------------------------------------------------------------------ who may call (issue 31)
+def test_a_foreign_host_is_403(server):
+  """DNS rebinding (Ollama's CVE-2024-28224 class): a request naming another server in Host is
+  refused before anything runs; the names of this server pass, with or without the port."""
+  port = server["base"].rsplit(":", 1)[1]
+  for host in ("evil.example", f"evil.example:{port}", "localhost.evil.example", "10.0.0.1"):
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
+                         ("GET", "/health"), ("GET", "/")):
+      r = httpx.request(method, server["base"] + path, headers={"Host": host},
+                        json={"messages": QUESTION, "max_tokens": 1}, timeout=60)
+      assert r.status_code == 403, (host, path, r.text)
+      err = r.json()["error"]
+      assert set(err) == {"message", "type", "param", "code"}
+      assert err["code"] == "host_not_allowed" and host in err["message"]
+  for host in ("localhost", f"localhost:{port}", "LOCALHOST.", f"127.0.0.1:{port}",
+               f"[::1]:{port}", "[::1]"):
+    assert httpx.get(server["base"] + "/v1/models", headers={"Host": host}).status_code == 200
+
+
+def test_text_plain_posts_are_400_and_there_is_no_cors_preflight(server):
+  r = httpx.post(server["base"] + "/v1/chat/completions",
+                 content=json.dumps({"messages": QUESTION, "max_tokens": 1}),
+                 headers={"content-type": "text/plain"}, timeout=60)
+  assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+  r = httpx.options(server["base"] + "/v1/chat/completions",
+                    headers={"Origin": "http://evil.example",
+                             "Access-Control-Request-Method": "POST"})
+  assert r.status_code >= 400
+  assert not any(h.lower().startswith("access-control-") for h in r.headers)
+
+
+def test_non_loopback_bind_without_a_key_warns(tmp_path):
+  """--host=0.0.0.0 and no --api_key: a warning line on stderr at start (the server is stopped
+  while the model still loads)."""
+  import signal
+  import subprocess
+  import sys
+  from conftest import ROOT, free_port
+  proc = subprocess.Popen([sys.executable, "-m", "pijax.serve", "--model=default",
+                           "--host=0.0.0.0", f"--port={free_port()}", "--warmup=false"],
+                          stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
+  try:
+    lines = [proc.stderr.readline(), proc.stderr.readline()]
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert "listening on http://0.0.0.0:" in lines[0]
+  assert "warning" in lines[1] and "--api_key" in lines[1] and "network" in lines[1], lines
+  assert "Traceback" not in rest
