@@ -7,10 +7,11 @@ advances on the host after each sampled token (`Constraint.advance`); once the g
 complete only the end-of-sequence tokens (`Tokenizer.stop_ids`) are allowed, so the reply ends
 with the JSON.
 
-The grammar engine is llguidance (Rust, on PyPI): a JSON-schema or Lark grammar's token mask for
-SmolLM2's 49,152-token vocabulary costs tens of microseconds a token (BUILD_NOTES.md, issue 31,
-measured against xgrammar), it needs no torch, and its `LLExecutor` fills the masks of a batch's
-rows in parallel (`fill_biases`).
+The grammar engine is llguidance (Rust, on PyPI): a JSON-schema or JSON-object token mask for
+SmolLM2's 49,152-token vocabulary costs ~15 us a token (median; with the bias row ~45 us, under
+0.5% of a decode step: BUILD_NOTES.md, issue 31; xgrammar is not yet measured beside it), it
+needs no torch, and its `LLExecutor` fills the masks of a batch's rows in parallel
+(`fill_biases`).
 
 JSON formatting: at most `MAX_JSON_WHITESPACE` whitespace characters between two JSON tokens
 (llguidance's default is unbounded: a small model sampled at a high temperature could write

@@ -4,8 +4,13 @@
 default model's tokenizer, 49,152 tokens) under llguidance (pijax's engine, `pijax.grammar`) and,
 when it is importable, xgrammar, and prints per grammar: the compile time, and per token the
 mask's microseconds (median, mean, p95) and the advance (consume) step; for llguidance also the
-bias row pijax builds from the mask (f32[vocab]: -inf / logit_bias). Numbers go to BUILD_NOTES.md
-(issue 31). No model weights are read.
+bias row pijax builds from the mask (f32[vocab]: -inf / logit_bias). No model weights are read.
+
+`--decode_tokens=N` then also loads the default model (host weights, as `pijax.serve` runs it)
+and times whole decode steps, N tokens a reply, alternating rounds of: no constraint, a
+logit_bias, json_object and the json_schema below; it prints the median milliseconds per token
+after the first (mask, bias row, its transfer and the biased sampling step included) per mode.
+Numbers go to BUILD_NOTES.md (issue 31).
 """
 
 from __future__ import annotations
@@ -117,9 +122,40 @@ def run_xgrammar(tokenizer, vocab: int, cases, reps: int) -> None:
     print(f"    advance {_stats(advance)}")
 
 
+def run_decode(tokens: int, rounds: int) -> None:
+  import pijax
+  model = pijax.load("default", max_seq_len=1024)
+  model.configure_host_weights("auto")
+  prompt = model.encode_prompt([{"role": "user", "content": "Describe a user account as a JSON "
+                                 "object with a name, an age, an email and tags."}], chat=True)
+  modes = {"none": {}, "logit_bias": {"logit_bias": {42: 5.0}},
+           "json_object": {"response_format": {"type": "json_object"}},
+           "json_schema": {"response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "u", "schema": SCHEMA}}}}
+  per_token = {name: [] for name in modes}
+  for kwargs in modes.values():  # Compile every program before timing.
+    for _ in model.generate_ids(prompt, max_new_tokens=2, **kwargs):
+      pass
+  for _ in range(rounds):
+    for name, kwargs in modes.items():
+      times = []
+      for step in model.generate_ids(prompt, max_new_tokens=tokens, temperature=0.9, seed=1,
+                                     **kwargs):
+        times.append(time.perf_counter())
+      if len(times) > 3:  # The last step only reports the stop; the first follows the prefill.
+        per_token[name].append(1e3 * (times[-2] - times[0]) / (len(times) - 2))
+  print(f"decode ({model.weights_label}, {tokens} tokens a reply at most, {rounds} rounds):")
+  for name, ms in per_token.items():
+    print(f"  {name:12s} median {np.median(ms):6.2f} ms/token  (rounds: "
+          f"{', '.join(f'{m:.2f}' for m in ms)})")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--reps", type=int, default=5, help="walks of each reply")
+  parser.add_argument("--decode_tokens", type=int, default=0,
+                      help="also time decode steps on the default model, N tokens a reply")
+  parser.add_argument("--rounds", type=int, default=3, help="alternated rounds of --decode")
   args = parser.parse_args()
   from pijax.formats.gguf import default_model_path, read_metadata
   from pijax.text.tokenizer import Tokenizer
@@ -129,6 +165,8 @@ def main() -> None:
   cases = [("json_object", {"type": "object"}, FREE), ("json_schema", SCHEMA, REPLY)]
   run_llguidance(tokenizer, vocab, cases, args.reps)
   run_xgrammar(tokenizer, vocab, cases, args.reps)
+  if args.decode_tokens > 0:
+    run_decode(args.decode_tokens, args.rounds)
 
 
 if __name__ == "__main__":
