@@ -1,22 +1,31 @@
 """A whole decoder on the host: weights in quantized blocks, KV caches in host RAM (numba).
 
 A CPU decode step reads every weight once per token, so its speed is the speed at which weights
-are read; here the weights stay in llama.cpp's block formats (`host_ops.qmatmul`, 4-8 bits per
-weight instead of f32).
-The whole forward pass (embedding, every layer with its RoPE, attention and KV cache, the LM
-head) is one host call, so only token ids and logits cross a JAX callback: a callback per layer,
-or a KV cache copied through one, costs more than the matmuls (BUILD_NOTES.md, issue 5).
-Within the call, every layer runs inside one compiled function (`_layers_kernel`) when all layers
-share their weight formats (the usual case), saving ~8 Python->numba calls per layer.
+are read; here the weights stay in llama.cpp's block formats (4-8 bits per weight), copied once
+into one buffer (`host_ops.pool`): packed 16 rows at a time where integer products run
+(`host_ops.qpack`), the file's rows else.
 
-Arithmetic: the f32 dense model's, on the same weight values: a Q4_1 GGUF kept as Q4_1 gives
-the logits of the f32 path up to summation order.
+One layer body for every pass (issue 30): `_layers_kernel` runs every layer of a ragged batch
+of N tokens, token i of sequence slot `slots[i]` at position `positions[i]`: a prompt's chunk
+(prefill), one token of one sequence (decode), one token each of several sequences (batched
+decode), or a mix. Matmuls see N activation rows whatever they belong to; attention reads and
+writes each token's own slot of the KV cache. Each output of every kernel depends only on its
+own row, so a sequence's logits are the same alone or batched (bit for bit with int8 products;
+with f32 products up to `pool.GEMV_MAX_ROWS` rows per pass, where the f32 product changes kernel).
 
-State is explicit: `HostDecoder.new_cache` returns a `HostKVCache` that the caller owns and passes
-to every `forward`; one decoder serves any number of sequences, each with its own cache.
+The whole forward pass (embedding, layers, LM head) is one host call, so only token ids and
+logits cross a JAX callback (BUILD_NOTES.md, issue 5); the layers are one compiled call.
 
-Layout per STYLE.md: numba kernels (norm, activation, RoPE + attention; matmuls in
-`host_ops.qmatmul`) -> HostDecoder (validates) -> `decoder_reference` (float64 NumPy, whole model).
+Arithmetic with dot "int8" (the default): every product quantizes its input per block as
+llama.cpp does (K-quants against 256-value blocks, the others against 32-value blocks:
+`qpack`); with dot "f32": the f32 dense model's products on the same weight values, up to
+summation order.
+
+State is explicit: `HostDecoder.new_cache` returns a `HostKVCache` of `batch` slots that the
+caller owns and passes to every `forward`.
+
+Layout per STYLE.md: numba kernels (`host_ops.attention`, the layer loop here; matmuls in
+`host_ops.pool`) -> HostDecoder (validates) -> `decoder_reference` (float64 NumPy, whole model).
 """
 
 from __future__ import annotations
@@ -29,9 +38,13 @@ import numpy as np
 from numba import extending as numba_extending
 
 from host_ops import _common
+from host_ops import attention as attn_lib
 from host_ops import gated_ffn as gated_lib
+from host_ops import pool as pool_lib
+from host_ops import qblocks
 from host_ops import qdot
 from host_ops import qmatmul
+from host_ops import qpack
 from host_ops._common import HostOpError
 
 
@@ -41,9 +54,10 @@ class HostLayer:
 
   attn_norm, ffn_norm: f32[D]; qkv: [(N + 2K) H, D] (q | k | v rows); attn_out: [D, N H];
   gate, up: [F, D]; down: [D, F] (QMatrix, or a `qconcat.RowConcat` of several formats; rows =
-  outputs, as GGUF stores them). Family extras, None when absent: qkv_bias f32[(N + 2K) H]
-  (Qwen2); q_norm, k_norm f32[H] (QK-norm: Qwen3, Gemma 3); post_attn_norm, post_ffn_norm
-  f32[D] (Gemma's sandwich norms on each sub-block's output).
+  outputs, as GGUF stores them; a HostDecoder replaces them by its pool's `pool.PooledRole`).
+  Family extras, None when absent: qkv_bias f32[(N + 2K) H] (Qwen2); q_norm, k_norm f32[H]
+  (QK-norm: Qwen3, Gemma 3); post_attn_norm, post_ffn_norm f32[D] (Gemma's sandwich norms on each
+  sub-block's output).
   """
 
   attn_norm: np.ndarray
@@ -59,7 +73,7 @@ class HostLayer:
   post_attn_norm: np.ndarray | None = None
   post_ffn_norm: np.ndarray | None = None
 
-  def matrices(self) -> tuple[qmatmul.QMatrix, ...]:
+  def matrices(self) -> tuple:
     return (self.qkv, self.attn_out, self.gate, self.up, self.down)
 
 
@@ -73,7 +87,7 @@ def _lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
 
 @dataclasses.dataclass
 class HostKVCache:
-  """One sequence batch's keys and values on the host.
+  """Keys and values of `batch` sequence slots on the host.
 
   k, v: f32[L, batch, max_seq_len, n_kv_heads, head_dim]; keys are stored after RoPE.
   """
@@ -96,20 +110,6 @@ class HostKVCache:
 
 
 @numba.njit(**_common._JIT)
-def _rms_norm_kernel(x, scale, eps):
-  """x: f32[b, D] -> x / sqrt(mean(x^2) + eps) * scale (sum of squares in f64)."""
-  out = np.empty_like(x)
-  for r in range(x.shape[0]):
-    ss = 0.0
-    for j in range(x.shape[1]):
-      ss += np.float64(x[r, j]) * np.float64(x[r, j])
-    inv = np.float32(1.0 / np.sqrt(ss / x.shape[1] + eps))
-    for j in range(x.shape[1]):
-      out[r, j] = x[r, j] * inv * scale[j]
-  return out
-
-
-@numba.njit(**_common._JIT)
 def _activation_kernel(g, u, code):
   """act(g, u) elementwise for the FFN family `code`; g, u: f32[b, F]."""
   out = np.empty_like(g)
@@ -119,154 +119,19 @@ def _activation_kernel(g, u, code):
   return out
 
 
-@numba.njit(**_common._JIT)
-def _gate_activation(g, code):
-  """act_gate(g): silu(g) (SwiGLU) or relu(g) (ReGLU, dReLU), elementwise over f32[b, F]."""
-  out = np.empty_like(g)
-  for r in range(g.shape[0]):
-    for j in range(g.shape[1]):
-      out[r, j] = _common.activation(g[r, j], np.float32(1.0), 0 if code == 0 else 1)
-  return out
-
-
-@numba.njit(inline="always", **_common._JIT)
-def _rope_head(src, dst, cos_t, sin_t, adjacent):
-  """dst = src (one head, f32[H]) with its first R = 2 len(cos_t) dims rotated."""
-  half = cos_t.shape[0]
-  for j in range(src.shape[0]):
-    dst[j] = src[j]
-  for j in range(half):
-    if adjacent:  # pairs (2j, 2j + 1): GGUF llama layout
-      a, c = 2 * j, 2 * j + 1
-    else:  # pairs (j, j + R/2): NeoX / Hugging Face layout
-      a, c = j, j + half
-    x0 = src[a]
-    x1 = src[c]
-    dst[a] = x0 * cos_t[j] - x1 * sin_t[j]
-    dst[c] = x0 * sin_t[j] + x1 * cos_t[j]
-
-
-@numba.njit(inline="always", **_common._JIT)
-def _head_norm(src, dst, scale, eps):
-  """dst = RMSNorm(src) * scale over one head (f32[H]); a no-op copy when scale is empty."""
-  if scale.shape[0] == 0:
-    for j in range(src.shape[0]):
-      dst[j] = src[j]
-    return
-  ss = 0.0
-  for j in range(src.shape[0]):
-    ss += np.float64(src[j]) * np.float64(src[j])
-  inv = np.float32(1.0 / np.sqrt(ss / src.shape[0] + eps))
-  for j in range(src.shape[0]):
-    dst[j] = src[j] * inv * scale[j]
-
-
-@numba.njit(parallel=True, **_common._JIT_ORDERED)
-def _attention_kernel(qkv, cache_k, cache_v, pos, cos, sin, adjacent, n_heads, n_kv, scale,
-                      window, q_norm, k_norm, eps):
-  """Causal grouped-query attention for t new tokens, writing their keys/values to the cache.
-
-  qkv: f32[b, t, N + 2K, H] (q heads, then k, then v, before RoPE); cache_k, cache_v:
-  f32[b, S, K, H] (positions < pos already filled); cos, sin: f32[t, R/2]; window: > 0 attends
-  only positions > p - window (sliding-window layer); q_norm, k_norm: f32[H] RMSNorm scales
-  applied to each head before RoPE (QK-norm), or empty arrays for none.
-  Returns f32[b t, N H]: softmax(q k^T * scale) v per head over the attended positions.
-  """
-  b, t, _, hd = qkv.shape
-  group = n_heads // n_kv
-  for job in numba.prange(b * t * n_kv):  # Write this chunk's rotated keys and values.
-    r = job // (t * n_kv)
-    i = (job // n_kv) % t
-    kv = job % n_kv
-    kn = np.empty(hd, np.float32)
-    _head_norm(qkv[r, i, n_heads + kv], kn, k_norm, eps)
-    _rope_head(kn, cache_k[r, pos + i, kv], cos[i], sin[i], adjacent)
-    for j in range(hd):
-      cache_v[r, pos + i, kv, j] = qkv[r, i, n_heads + n_kv + kv, j]
-  out = np.empty((b * t, n_heads * hd), np.float32)
-  for job in numba.prange(b * t * n_heads):
-    r = job // (t * n_heads)
-    i = (job // n_heads) % t
-    head = job % n_heads
-    kv = head // group
-    qn = np.empty(hd, np.float32)
-    _head_norm(qkv[r, i, head], qn, q_norm, eps)
-    q = np.empty(hd, np.float32)
-    _rope_head(qn, q, cos[i], sin[i], adjacent)
-    last = pos + i  # inclusive: causal
-    first = max(0, last - window + 1) if window > 0 else 0
-    scores = np.empty(last + 1 - first, np.float32)
-    top = np.float32(-np.inf)
-    for s in range(first, last + 1):
-      acc = _common.dot_f32(q, cache_k[r, s, kv]) * scale
-      scores[s - first] = acc
-      top = max(top, acc)
-    total = np.float32(0.0)
-    for s in range(scores.shape[0]):
-      e = np.exp(scores[s] - top)
-      scores[s] = e
-      total += e
-    o = out[r * t + i, head * hd:(head + 1) * hd]
-    for j in range(hd):
-      o[j] = 0.0
-    for s in range(first, last + 1):
-      w = scores[s - first] / total
-      vrow = cache_v[r, s, kv]
-      for j in range(hd):
-        o[j] += w * vrow[j]
-  return out
-
-
-def _layer_matmul(w, i, x, out, int8):
-  """out = x @ W_i.T for layer i of a stacked matrix w (numba only; see the overload below)."""
-  raise NotImplementedError("_layer_matmul runs inside numba-compiled code only")
-
-
-@numba_extending.overload(_layer_matmul, jit_options=_common._JIT)
-def _layer_matmul_overload(w, i, x, out, int8):
-  """Picks the kernel from w's type: (qs, d, m) stacked Q4_1 or (q, d) stacked Q8_0, each
-  [L, n, ...]; for <= GEMV_MAX_ROWS rows of x the integer gemv (int8 true, where qdot runs) or
-  the f32 one, the tiled product above (the same choice and kernels as `QMatrix.matmul`). The
-  integer kernels are only referenced where qdot.AVAILABLE, so other CPUs never compile them."""
-  if len(w) == 3:
-    def q4_1(w, i, x, out, int8):
-      if x.shape[0] > qmatmul.GEMV_MAX_ROWS:
-        qmatmul._gemm_q4_1_kernel(w[0][i], w[1][i], w[2][i], x, out)
-      elif int8:
-        qdot.gemv_q4_1(w[0][i], w[1][i], w[2][i], x, out)
-      else:
-        qmatmul._gemv_q4_1_kernel(w[0][i], w[1][i], w[2][i], x, out)
-
-    def q4_1_f32(w, i, x, out, int8):
-      if x.shape[0] > qmatmul.GEMV_MAX_ROWS:
-        qmatmul._gemm_q4_1_kernel(w[0][i], w[1][i], w[2][i], x, out)
-      else:
-        qmatmul._gemv_q4_1_kernel(w[0][i], w[1][i], w[2][i], x, out)
-    return q4_1 if qdot.AVAILABLE else q4_1_f32
-
-  def q8_0(w, i, x, out, int8):
-    if x.shape[0] > qmatmul.GEMV_MAX_ROWS:
-      qmatmul._gemm_q8_0_kernel(w[0][i], w[1][i], x, out)
-    elif int8:
-      qdot.gemv_q8_0(w[0][i], w[1][i], x, out)
-    else:
-      qmatmul._gemv_q8_0_kernel(w[0][i], w[1][i], x, out)
-
-  def q8_0_f32(w, i, x, out, int8):
-    if x.shape[0] > qmatmul.GEMV_MAX_ROWS:
-      qmatmul._gemm_q8_0_kernel(w[0][i], w[1][i], x, out)
-    else:
-      qmatmul._gemv_q8_0_kernel(w[0][i], w[1][i], x, out)
-  return q8_0 if qdot.AVAILABLE else q8_0_f32
-
-
 # What `_layers_kernel` times per layer when asked (`HostDecoder.phase_cycles`): the attention
 # norm and q/k/v matmul, attention, the output matmul with the residual and the FFN norm, the
 # gate matmul, then up and down: the matmuls (dense) or the gate-first up and down passes, down
 # with the FFN's residual (and post-norm).
 PHASES = ("qkv", "attention", "attn_out", "gate", "up", "down")
-# Placeholder when nothing is timed.
-_NO_PHASES = np.zeros((0, len(PHASES)), np.int64)
+_NO_PHASES = np.zeros((0, len(PHASES)), np.int64)  # Placeholder when nothing is timed.
+# What `_layers_kernel` records per layer for `calibrate_gate_cuts`: nothing, |act_gate(g)|,
+# or |act(g, u)|.
+RECORD_NONE, RECORD_GATE, RECORD_CONTRIBUTION = 0, 1, 2
+_NO_RECORD = np.zeros((0, 0, 0), np.float32)
+# Roles of a layer in the pool's role table (`HostDecoder._roles`).
+ROLES = ("qkv", "attn_out", "gate", "up", "down")
+QKV, ATTN_OUT, GATE, UP, DOWN = range(5)
 
 
 @numba.njit(inline="always", **_common._JIT)
@@ -280,6 +145,15 @@ def _stamp(phases, i, k, t_prev):
   return now
 
 
+@numba.njit(inline="always", **_common._JIT)
+def _product(pool, mats, ids, needs, x, out, int8):
+  """out = x @ W.T for a role of the pool (`pool.pool_matmul`), x quantized as its kinds read
+  it (needs: (per-32, per-256) flags)."""
+  xa = qpack.activations(x, needs[0] != 0 or not int8, needs[1] != 0 and int8)
+  xsum = qblocks.block_sums(x) if not int8 else np.zeros((x.shape[0], 1), np.float32)
+  pool_lib.pool_matmul(pool, mats, ids, xa, x, xsum, out, int8)
+
+
 def _layer_gated(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
   """(y, active, passed, t) of the gate-first FFN of layer i, its up pass timed into phases
   (`_stamp`) from t_prev, t the up pass's end (numba only; see the overload below)."""
@@ -288,11 +162,10 @@ def _layer_gated(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev)
 
 @numba_extending.overload(_layer_gated, jit_options=_common._JIT)
 def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
-  """`gated_ffn.gated_ffn`'s kernel for stacked up rows (Q4_1 (qs, d, m) or Q8_0 (q, d), each
-  [L, F, ...]: separate C arrays, or views into one record per row, `_build_up_records`: each
-  row contiguous, rows R bytes apart) and stacked neuron-major down rows dt: Q8_0 (i8[L, F, D],
-  u16[L, F, D/32]) or Q4_1 (u8[L, F, D/2], u16[L, F, D/32] twice); the integer kernel only
-  where qdot.AVAILABLE."""
+  """`gated_ffn.gated_ffn`'s passes for stacked up rows (Q4_1 (qs, d, m) or Q8_0 (q, d), each
+  [L, F, ...]: separate C arrays, or views into one record per row, `_build_up_records`) and
+  stacked neuron-major down rows dt: Q8_0 (i8[L, F, D], u16[L, F, D/32]) or Q4_1 (u8[L, F, D/2],
+  u16[L, F, D/32] twice); the integer kernel only where qdot.AVAILABLE."""
   block = np.int64(qmatmul.BLOCK)
   q4 = len(up_w) == 3
   m = 2 if q4 else 1  # Q8_0: its scales stand in for the offsets, never read.
@@ -311,7 +184,6 @@ def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases
     return f32_only
 
   def impl(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
-    # `_gated_int8_kernel` / `_gated_kernel` inlined, timed per pass (PHASES "up", "down").
     if int8:
       acts, passed = gated_lib._up_pass_int8(g, h, up_w[0][i], up_w[1][i], up_w[m][i], cuts,
                                              code, n_threads, q4)
@@ -325,53 +197,58 @@ def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases
 
 
 @numba.njit(**_common._JIT)
-def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, down_w, extras,
-                   cache_k, cache_v, pos, cos, sin, rope_of, windows, adjacent, n_heads, n_kv,
-                   head_dim, scale, eps, code, int8, cuts, dt, active, passed, n_threads,
-                   phases):
-  """Every layer of the decoder in one compiled call (the same kernels, in the same order, as
-  `HostDecoder.forward`'s per-layer loop, so the same result bit for bit, without ~8 Python
-  calls per layer). x: f32[b t, D] embeddings -> f32[b t, D] after the last layer.
-  Weights: stacked per role ([L, ...] arrays, `_layer_matmul`; with the gate-first FFN of ReLU
-  families the up rows may be record views, `HostDecoder._build_up_records`); norms f32[L, D];
-  extras:
-  (qkv_bias f32[L, E], q_norm, k_norm f32[L, H], post_attn_norm, post_ffn_norm f32[L, D]), each
-  [L, 0] when the family has none; cache_k, cache_v: f32[L, b, S, K, H]; cos, sin: f32[n, t, R/2]
+def _layers_kernel(x, slots, positions, pool, mats, roles, needs, norms, extras, cache_k,
+                   cache_v, cos, sin, rope_of, windows, adjacent, n_heads, n_kv, head_dim, scale,
+                   eps, code, int8, cuts, up_w, dt, active, passed, n_threads, phases, record,
+                   record_mode):
+  """Every layer of the decoder for a ragged batch (module docstring): x: f32[N, D] embeddings
+  -> f32[N, D] after the last layer.
+
+  slots, positions: i64[N]; pool, mats: `pool.WeightPool`; roles: i64[L, 5, MAX_PARTS] matrix ids
+  of each layer's roles (`ROLES`); needs: i64[L, 5, 2] the activation quantizations of each
+  role's input (per-32, per-256); norms: f32[L, 2, D] (attention, FFN); extras: (qkv_bias
+  f32[L, E], q_norm, k_norm f32[L, H], post_attn_norm, post_ffn_norm f32[L, D]), each [L, 0]
+  when the family has none; cache_k, cache_v: f32[L, slots, S, K, H]; cos, sin: f32[n, N, R/2]
   RoPE tables, layer i using table rope_of[i]; windows: i64[L] (0: global attention).
-  Gate-first FFN (`gated_ffn`) when cuts (f32[L, 2]: gate, contribution) is not empty: down
-  rows neuron-major in dt ([L, F, ...] Q8_0 or Q4_1 arrays); layer i's fraction of neurons
-  computed (down rows read) is written to active[i], of neurons whose gate passed (up rows
-  read) to passed[i]. phases: i64[L, len(PHASES)] gets each layer's cycles per phase added
-  (`_common.cycle_counter`), or [0, len(PHASES)]: nothing timed.
-  (numba's disk cache keys it on every host_ops source, not on decoder.py only:
-  `host_ops._cache`.)"""
+  Gate-first FFN (`gated_ffn`) when cuts (f32[L, 2]: gate, contribution) is not empty: up rows
+  up_w (stacked split Q4_1 / Q8_0) and neuron-major down rows dt; layer i's fraction of neurons
+  computed is written to active[i], of neurons whose gate passed to passed[i]. phases:
+  i64[L, len(PHASES)] gets each layer's cycles per phase added, or [0, ...]: nothing timed.
+  record: f32[L, N, F] filled per `record_mode` (RECORD_*), or empty.
+  """
   rows = x.shape[0]
   qkv_bias, q_norms, k_norms, post_attn, post_ffn = extras
-  qkv = np.empty((rows, (n_heads + 2 * n_kv) * head_dim), np.float32)
+  n_qkv = (n_heads + 2 * n_kv) * head_dim
+  qkv = np.empty((rows, n_qkv), np.float32)
   attn_proj = np.empty_like(x)
   ffn = np.empty_like(x)
-  f = gate_w[0].shape[1]
+  f = 0
+  for p in range(roles.shape[2]):
+    if roles[0, GATE, p] >= 0:
+      f += mats[roles[0, GATE, p], pool_lib.M_ROWS]
   g = np.empty((rows, f), np.float32)
   u = np.empty((rows, f), np.float32)
   t_prev = _common.cycle_counter() if phases.shape[0] else 0
-  for i in range(attn_norms.shape[0]):
-    _layer_matmul(qkv_w, i, _rms_norm_kernel(x, attn_norms[i], eps), qkv, int8)
+  for i in range(roles.shape[0]):
+    h = attn_lib.rms_norm(x, norms[i, 0], eps)
+    _product(pool, mats, roles[i, QKV], needs[i, QKV], h, qkv, int8)
     if qkv_bias.shape[1]:
       for r in range(rows):
         qkv[r] += qkv_bias[i]
     t_prev = _stamp(phases, i, 0, t_prev)
-    attn = _attention_kernel(qkv.reshape(b, t, n_heads + 2 * n_kv, head_dim), cache_k[i],
-                             cache_v[i], pos, cos[rope_of[i]], sin[rope_of[i]], adjacent, n_heads,
-                             n_kv, scale, windows[i], q_norms[i], k_norms[i], eps)
+    att = attn_lib.attention(qkv.reshape(rows, n_heads + 2 * n_kv, head_dim), cache_k[i],
+                             cache_v[i], slots, positions, cos[rope_of[i]], sin[rope_of[i]],
+                             adjacent, n_heads, n_kv, scale, windows[i], q_norms[i], k_norms[i],
+                             eps)
     t_prev = _stamp(phases, i, 1, t_prev)
-    _layer_matmul(out_w, i, attn, attn_proj, int8)
+    _product(pool, mats, roles[i, ATTN_OUT], needs[i, ATTN_OUT], att, attn_proj, int8)
     if post_attn.shape[1]:
-      x = x + _rms_norm_kernel(attn_proj, post_attn[i], eps)
+      x = x + attn_lib.rms_norm(attn_proj, post_attn[i], eps)
     else:
       x = x + attn_proj
-    h = _rms_norm_kernel(x, ffn_norms[i], eps)
+    h = attn_lib.rms_norm(x, norms[i, 1], eps)
     t_prev = _stamp(phases, i, 2, t_prev)
-    _layer_matmul(gate_w, i, h, g, int8)
+    _product(pool, mats, roles[i, GATE], needs[i, GATE], h, g, int8)
     t_prev = _stamp(phases, i, 3, t_prev)
     if cuts.shape[0]:
       ffn, counts, passed_i, t_prev = _layer_gated(up_w, i, g, h, dt, cuts[i], code, n_threads,
@@ -379,19 +256,31 @@ def _layers_kernel(x, b, t, attn_norms, ffn_norms, qkv_w, out_w, gate_w, up_w, d
       active[i] = counts.sum() / (rows * f)
       passed[i] = passed_i.sum() / (rows * f)
     else:
-      _layer_matmul(up_w, i, h, u, int8)
+      _product(pool, mats, roles[i, UP], needs[i, UP], h, u, int8)
       t_prev = _stamp(phases, i, 4, t_prev)
-      _layer_matmul(down_w, i, _activation_kernel(g, u, code), ffn, int8)
+      a = _activation_kernel(g, u, code)
+      if record_mode == RECORD_CONTRIBUTION:
+        for r in range(rows):
+          for j in range(f):
+            record[i, r, j] = abs(a[r, j])
+      elif record_mode == RECORD_GATE:
+        for r in range(rows):
+          for j in range(f):
+            record[i, r, j] = abs(_common.activation(g[r, j], np.float32(1.0),
+                                                     0 if code == 0 else 1))
+      _product(pool, mats, roles[i, DOWN], needs[i, DOWN], a, ffn, int8)
     if post_ffn.shape[1]:
-      x = x + _rms_norm_kernel(ffn, post_ffn[i], eps)
+      x = x + attn_lib.rms_norm(ffn, post_ffn[i], eps)
     else:
       x = x + ffn
     t_prev = _stamp(phases, i, 5, t_prev)
   return x
 
 
-# Placeholder neuron-major down rows for `_layers_kernel` when the gate-first FFN is off.
+# Placeholders for `_layers_kernel` when the gate-first FFN is off.
+_NO_UP = (np.zeros((0, 0, qmatmul.BLOCK), np.int8), np.zeros((0, 0, 1), np.uint16))
 _NO_DOWN_T = (np.zeros((0, 0, qmatmul.BLOCK), np.int8), np.zeros((0, 0, 1), np.uint16))
+_EXTRAS = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
 
 
 class HostDecoder:
@@ -399,7 +288,8 @@ class HostDecoder:
 
   Args:
     embedding: [V, D] QMatrix (token embedding rows).
-    layers: HostLayer per layer.
+    layers: HostLayer per layer (their matrices are copied into the decoder's pool and replaced
+      by `pool.PooledRole` views of it: nothing held twice).
     final_norm: f32[D].
     lm_head: [V, D] QMatrix (the embedding itself when the model ties them).
     eps: RMSNorm epsilon; family: FFN family ("swiglu" | "reglu" | "drelu" | "geglu").
@@ -409,12 +299,12 @@ class HostDecoder:
     windows: per layer, the sliding window in tokens (0 = global); None = all global.
     attn_scale: the factor on q . k (None = head_dim ** -0.5).
     embedding_scale: the token embeddings are multiplied by it (Gemma: sqrt(hidden_size)).
-    dot: "int8" (decode products quantize activations per block and sum integers, as
-      llama.cpp; `host_ops.qdot`) or "f32" (the f32 dense path's values up to summation order).
-      `self.dot` holds what runs: "f32" where qdot.AVAILABLE is False.
+    dot: "int8" (products quantize activations per block and sum integers, as llama.cpp;
+      `host_ops.qpack`, `host_ops.qdot`) or "f32" (the f32 dense path's values up to summation
+      order). `self.dot` holds what runs: "f32" where qdot.AVAILABLE is False.
 
   Raises:
-    HostOpError: inconsistent shapes or an unknown family.
+    HostOpError: inconsistent shapes, an unknown family or a kind without a host kernel.
   """
 
   def __init__(self, embedding: qmatmul.QMatrix, layers: list[HostLayer],
@@ -426,7 +316,7 @@ class HostDecoder:
                dot: str = qmatmul.DOT_INT8):
     if dot not in qmatmul.DOTS:
       raise HostOpError(f"dot must be one of {', '.join(qmatmul.DOTS)}, got {dot!r}")
-    self.dot = dot if qdot.AVAILABLE else qmatmul.DOT_F32
+    self._dot = dot if qdot.AVAILABLE else qmatmul.DOT_F32
     self.code = _common.family_code(family)
     if n_heads % n_kv_heads or rope_dim > head_dim or rope_dim % 2:
       raise HostOpError(f"bad attention shape: {n_heads} heads, {n_kv_heads} KV heads, head_dim "
@@ -451,18 +341,15 @@ class HostDecoder:
     self.embedding_scale = float(embedding_scale)
     self.gate_cuts = None  # Per-layer cuts when the gate-first sparse FFN is on (enable_gated).
     self.contribution_cuts = None  # Per-layer |act| cuts of the down rows (None: all 0).
-    self._down_t = None  # Per-layer neuron-major down rows for it (Q8_0 or Q4_1).
+    self._down_t = None  # Per-layer neuron-major down rows for it (Q8_0, Q4_1 or file rows).
     self._stacked_down_t = None  # The same rows stacked [L, F, ...] for `_layers_kernel`.
-    self._up_records = None  # ReLU families' gate-first up rows as records (`_build_up_records`).
-    self._record = None  # Calibration: per-layer lists of |act_gate(g)| (calibrate_gate_cuts).
-    self._record_contribution = False  # ... or of |act(g, u)|.
+    self._up = None  # Its up rows: stacked split Q4_1 / Q8_0 arrays, or records (ReLU families).
     self.last_active = np.ones(len(layers), np.float32)  # Active FFN fraction, last forward.
     self.last_passed = np.ones(len(layers), np.float32)  # Gate-passed fraction (up rows read).
     # Sums over gate-first forward passes of mean(last_active), mean(last_passed): the up rows
     # read per computed neuron, for the bytes per token (`ffn_bytes_per_token`).
     self.read_sums = np.zeros(2)
-    # i64[L, len(PHASES)]: when set, the one-call layer loop adds each layer's cycles per phase
-    # (`_layers_kernel`; the per-layer loop times nothing). None: nothing timed.
+    # i64[L, len(PHASES)]: when set, the layer loop adds each layer's cycles per phase.
     self.phase_cycles = None
     self.family = family
     self.eps = float(eps)
@@ -474,11 +361,34 @@ class HostDecoder:
     self.hidden_size = d
     if not self.layers:
       raise HostOpError("a host decoder needs at least one layer")
+    self._check_layers(d)
+    if lm_head.shape[1] != d or self.final_norm.shape != (d,):
+      raise HostOpError(f"lm_head {lm_head.shape} / final_norm {self.final_norm.shape} do not "
+                        f"match hidden size {d}")
+    self._build_pool()
+
+  @property
+  def dot(self) -> str:
+    """"int8" or "f32": how products treat activations (class docstring)."""
+    return self._dot
+
+  @dot.setter
+  def dot(self, value: str) -> None:
+    """Switches the products; the pool is rebuilt (packed for "int8", rows for "f32") from the
+    pooled matrices' file blocks. Raises HostOpError for an unknown value."""
+    if value not in qmatmul.DOTS:
+      raise HostOpError(f"dot must be one of {', '.join(qmatmul.DOTS)}, got {value!r}")
+    value = value if qdot.AVAILABLE else qmatmul.DOT_F32
+    if value != self._dot:
+      self._dot = value
+      self._build_pool()
+
+  def _check_layers(self, d: int) -> None:
+    n_heads, n_kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
+    f = self.layers[0].gate.shape[0]
     for i, layer in enumerate(self.layers):
-      f = layer.gate.shape[0]
       want = {"qkv": ((n_heads + 2 * n_kv_heads) * head_dim, d),
-              "attn_out": (d, n_heads * head_dim),
-              "gate": (f, d), "up": (f, d), "down": (d, f)}
+              "attn_out": (d, n_heads * head_dim), "gate": (f, d), "up": (f, d), "down": (d, f)}
       for name, shape in want.items():
         if getattr(layer, name).shape != shape:
           raise HostOpError(f"layer {i}: {name} has shape {getattr(layer, name).shape}, "
@@ -499,44 +409,34 @@ class HostDecoder:
     if (self.layers[0].q_norm is None) != (self.layers[0].k_norm is None) or \
         (self.layers[0].post_attn_norm is None) != (self.layers[0].post_ffn_norm is None):
       raise HostOpError("q_norm and k_norm (and post_attn_norm and post_ffn_norm) come together")
-    if lm_head.shape[1] != d or self.final_norm.shape != (d,):
-      raise HostOpError(f"lm_head {lm_head.shape} / final_norm {self.final_norm.shape} do not "
-                        f"match hidden size {d}")
-    self._stacked = self._stack_layers()
-    self._layer_extras = [self._extras_of(layer) for layer in self.layers]  # Once, not per token.
 
-  _ROLES = ("qkv", "attn_out", "gate", "up", "down")
-
-  _EXTRAS = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+  def _build_pool(self) -> None:
+    """Copies every layer matrix into one WeightPool (one layer at a time, each layer's source
+    matrices dropped as it is done) and stacks norms and extras for `_layers_kernel`."""
+    n_layers = self.n_layers
+    int8 = self.dot == qmatmul.DOT_INT8
+    roles = [getattr(layer, name) for layer in self.layers for name in ROLES]
+    self.pool = pool_lib.WeightPool(roles, int8)
+    self._roles = np.stack([r.ids for r in self.pool.roles]).reshape(
+        n_layers, len(ROLES), pool_lib.MAX_PARTS)
+    needs = np.zeros((n_layers, len(ROLES), 2), np.int64)
+    for i, layer in enumerate(self.layers):
+      for k, name in enumerate(ROLES):
+        role = self.pool.roles[i * len(ROLES) + k]
+        setattr(layer, name, role)
+        needs[i, k] = role.needs
+    self._needs = needs
+    self._norms = np.ascontiguousarray(
+        np.stack([[layer.attn_norm, layer.ffn_norm] for layer in self.layers]), np.float32)
+    for i, layer in enumerate(self.layers):
+      layer.attn_norm, layer.ffn_norm = self._norms[i, 0], self._norms[i, 1]
+    self._extras = tuple(np.ascontiguousarray(np.stack(parts), np.float32) for parts in
+                         zip(*(self._extras_of(layer) for layer in self.layers)))
 
   def _extras_of(self, layer: HostLayer) -> tuple[np.ndarray, ...]:
     """The layer's family extras for the kernels: f32 arrays, empty where absent."""
     return tuple(np.zeros(0, np.float32) if getattr(layer, n) is None else getattr(layer, n)
-                 for n in self._EXTRAS)
-
-  def _stack_layers(self):
-    """The layers' weights stacked per role for `_layers_kernel`: (attn_norms, ffn_norms: f32[L, D],
-    then per role a tuple of [L, ...] arrays, then the extras f32[L, *]); each layer's QMatrix
-    then views its slice, so nothing is held twice. None (the per-layer loop runs) when a
-    role's format or shape differs between layers, or is not one the kernel reads (Q4_1, Q8_0)."""
-    for role in self._ROLES:
-      kinds = {(getattr(layer, role).kind, getattr(layer, role).shape) for layer in self.layers}
-      if len(kinds) != 1 or next(iter(kinds))[0] not in (qmatmul.Q4_1, qmatmul.Q8_0):
-        return None
-    stacked = [np.stack([layer.attn_norm for layer in self.layers]),
-               np.stack([layer.ffn_norm for layer in self.layers])]
-    for role in self._ROLES:  # One role at a time: the old copy of a role is freed as we go.
-      kind = getattr(self.layers[0], role).kind
-      arrays = tuple(_common.stack_aligned(parts) for parts in
-                     zip(*(getattr(layer, role).arrays for layer in self.layers)))
-      for i, layer in enumerate(self.layers):
-        setattr(layer, role, qmatmul.QMatrix(kind, tuple(a[i] for a in arrays)))
-      stacked.append(arrays)
-    for i, layer in enumerate(self.layers):
-      layer.attn_norm, layer.ffn_norm = stacked[0][i], stacked[1][i]
-    stacked.append(tuple(np.stack(parts) for parts in
-                         zip(*(self._extras_of(layer) for layer in self.layers))))
-    return tuple(stacked)
+                 for n in _EXTRAS)
 
   @property
   def n_layers(self) -> int:
@@ -550,6 +450,10 @@ class HostDecoder:
   def vocab_size(self) -> int:
     return self.lm_head.shape[0]
 
+  @property
+  def intermediate_size(self) -> int:
+    return self.layers[0].gate.shape[0]
+
   def bytes_per_token(self, active_fraction: float | None = None) -> int:
     """Weight bytes one decode token reads, in GGUF block bytes (f16 scales): the attention
     matrices, the FFN (`ffn_bytes_per_token`) and the LM head (the embedding lookup reads one
@@ -558,29 +462,29 @@ class HostDecoder:
     return attn + self.ffn_bytes_per_token(active_fraction) + self.lm_head.file_bytes()
 
   def nbytes(self) -> int:
-    """Host bytes held (codes, f16 scales, norms; a tied head counted once), plus the sparse
-    FFN's copies once built (`sparse_nbytes`)."""
-    mats = [w for layer in self.layers for w in layer.matrices()] + [self.embedding]
-    if self.lm_head is not self.embedding:
-      mats.append(self.lm_head)
-    return (sum(w.nbytes for w in mats) + 4 * self.hidden_size * (2 * self.n_layers + 1)
-            + self.sparse_nbytes())
+    """Host bytes held: the pool, the embedding and head (a tied head counted once), norms,
+    plus the sparse FFN's copies once built (`sparse_nbytes`)."""
+    mats = [self.embedding] + ([] if self.lm_head is self.embedding else [self.lm_head])
+    return (self.pool.nbytes + sum(w.nbytes for w in mats) + self._norms.nbytes
+            + self.final_norm.nbytes + self.sparse_nbytes())
 
   def sparse_nbytes(self) -> int:
-    """Bytes of the gate-first FFN's own copies (`enable_gated`): the neuron-major down rows
-    and ReLU families' up records; 0 before they are built. Held while the sparse FFN is off."""
-    if self._stacked_down_t is not None:
-      held = sum(a.nbytes for a in self._stacked_down_t)
-    else:
-      held = sum(w.nbytes for w in self._down_t or ())
-    if self._up_records is not None:  # Views into one u8[L, F, R] buffer, R the row stride.
-      first = self._up_records[0]
-      held += first.shape[0] * first.shape[1] * first.strides[1]
+    """Bytes of the gate-first FFN's own copies (`enable_gated`): the neuron-major down rows and
+    the up rows (split, or records for ReLU families); 0 before they are built. Held while the
+    sparse FFN is off."""
+    held = 0 if self._stacked_down_t is None else sum(a.nbytes for a in self._stacked_down_t)
+    if self._up is not None:
+      first = self._up[0]
+      if first.base is not None and first.strides[1] != first.shape[2] * first.itemsize:
+        held += first.shape[0] * first.shape[1] * first.strides[1]  # Records: one buffer.
+      else:
+        held += sum(a.nbytes for a in self._up)
     return int(held)
 
   # ------------------------------------------------------------------------- KV cache
   def new_cache(self, batch: int, max_seq_len: int) -> HostKVCache:
-    """A zeroed host KV cache for `batch` rows of `max_seq_len` tokens (the caller owns it)."""
+    """A zeroed host KV cache of `batch` sequence slots of `max_seq_len` tokens (the caller owns
+    it; pages become resident as they are written)."""
     if batch < 1 or max_seq_len < 1:
       raise HostOpError(f"a KV cache needs batch >= 1 and max_seq_len >= 1, got {batch}, "
                         f"{max_seq_len}")
@@ -601,14 +505,17 @@ class HostDecoder:
     0.125 for the scales; HostOpError for other down formats); or re-quantized from the
     file's values, "q8_0" (1.0625 bytes/weight; SmolLM2 Q4_1 perplexity 27.09 against 26.99
     dense) or "q4_1" (0.625, but a second 4-bit rounding: 28.45; BUILD_NOTES.md, issue 11).
-    None: "file" where every layer's down projection is Q4_1, else "q8_0". Built on first use and when the format changes; the old rows
-    are dropped first (never both held), so if building fails the sparse FFN is left off.
-    Memory: these down rows are a second copy of down; ReLU families' stacked layers also get a
-    record copy of up (`_build_up_records`). Both stay held when the sparse FFN is turned off
-    (the bench toggles it); `nbytes` counts both (`sparse_nbytes`).
+    None: "file" where every layer's down projection is Q4_1, else "q8_0". Built on first use
+    and when the format changes; the old rows are dropped first (never both held), so if
+    building fails the sparse FFN is left off.
+    Memory: the gate-first passes read their own copies, built here from the pool: the
+    neuron-major down rows and the up rows (Q4_1 / Q8_0 codes and scales stacked per layer;
+    ReLU families as one record per row, `_build_up_records`). They stay held when the sparse
+    FFN is turned off (the bench toggles it); `nbytes` counts them (`sparse_nbytes`).
 
     Raises:
-      HostOpError: cuts of the wrong count or value, an unknown format, a GeGLU model.
+      HostOpError: cuts of the wrong count or value, an unknown format, a GeGLU model, up rows
+        that are not Q4_1 or Q8_0.
     """
     if down_format is None:  # The file's own blocks where it can (exact, fewest bytes read).
       down_format = gated_lib.DOWN_FILE if all(
@@ -627,6 +534,10 @@ class HostDecoder:
       return
     if self.family == "geglu":
       raise HostOpError("the gate-first sparse FFN supports swiglu, reglu and drelu, not geglu")
+    up_kinds = {layer.up.kind for layer in self.layers}
+    if len(up_kinds) != 1 or next(iter(up_kinds)) not in (qmatmul.Q4_1, qmatmul.Q8_0):
+      raise HostOpError(f"the gate-first sparse FFN reads Q4_1 or Q8_0 up rows of one format "
+                        f"in every layer; this model's are {', '.join(sorted(up_kinds))}")
     cuts = self._cut_list("cuts", cuts)
     ccuts = [0.0] * self.n_layers if contribution_cuts is None else \
         self._cut_list("contribution_cuts", contribution_cuts)
@@ -637,37 +548,49 @@ class HostDecoder:
       down_t, stacked_t = [], None
       for i, layer in enumerate(self.layers):  # One layer's f32 copy at a time.
         if down_format == gated_lib.DOWN_FILE:
-          w = gated_lib.FileDownRows.from_down(layer.down)
+          w = gated_lib.FileDownRows.from_down(layer.down.parts[0].qmatrix())
         else:
           w = quantize(np.ascontiguousarray(layer.down.dequantize().T))
-        if self._stacked is not None:  # Stacked for `_layers_kernel`; each layer views its slice.
-          if i == 0:
-            stacked_t = tuple(_common.empty_aligned((self.n_layers,) + a.shape, a.dtype)
-                              for a in w.arrays)
-          for stacked, a in zip(stacked_t, w.arrays):
-            stacked[i] = a
-          views = tuple(a[i] for a in stacked_t)
-          w = gated_lib.FileDownRows(*views) if down_format == gated_lib.DOWN_FILE else \
-              qmatmul.QMatrix(down_format, views)
-        down_t.append(w)
+        if i == 0:
+          stacked_t = tuple(_common.empty_aligned((self.n_layers,) + a.shape, a.dtype)
+                            for a in w.arrays)
+        for stacked, a in zip(stacked_t, w.arrays):
+          stacked[i] = a
+        views = tuple(a[i] for a in stacked_t)
+        down_t.append(gated_lib.FileDownRows(*views) if down_format == gated_lib.DOWN_FILE
+                      else qmatmul.QMatrix(down_format, views))
       self._down_t, self._stacked_down_t = down_t, stacked_t
-    if self._up_records is None and self._stacked is not None and self.code in (
-        _common.FAMILY_CODES["reglu"], _common.FAMILY_CODES["drelu"]):
-      self._up_records = self._build_up_records()
+    if self._up is None:
+      self._up = self._build_up()
     self.gate_cuts = cuts
     self.contribution_cuts = None if contribution_cuts is None else ccuts
     # What `_layers_kernel` reads, once, not per pass: f32[L, 2] (gate cut, contribution cut).
     self._cuts = np.ascontiguousarray(np.stack([cuts, ccuts], axis=1), np.float32)
 
-  def _build_up_records(self):
+  def _build_up(self):
+    """The gate-first up rows: every layer's Q4_1 (qs, d, m) or Q8_0 (q, d) arrays stacked
+    [L, F, ...] (64-byte aligned), or for ReLU families one record per row (`_build_up_records`).
+    """
+    n_layers = self.n_layers
+    stacked = None
+    for i, layer in enumerate(self.layers):  # One layer's split copy at a time.
+      arrays = layer.up.parts[0].qmatrix().arrays
+      if stacked is None:
+        stacked = tuple(_common.empty_aligned((n_layers,) + a.shape, a.dtype) for a in arrays)
+      for s, a in zip(stacked, arrays):
+        s[i] = a
+    if self.code in (_common.FAMILY_CODES["reglu"], _common.FAMILY_CODES["drelu"]):
+      return self._build_up_records(stacked)
+    return stacked
+
+  @staticmethod
+  def _build_up_records(parts):
     """The stacked up rows again, each row's codes and scales side by side in one record
     (views into u8[L, F, R], R the row's bytes rounded up to 64, every record on a cache line),
     for the gathered up pass of ReLU families (gate-first reads only the rows whose gate
     passes). One 2560-byte gathered read per 7B Q4_1 row instead of three (2048 + 256 + 256):
-    the up pass at 50% / 25% of rows 708-758 -> 514-601 / 406-433 -> 282-302 us. Dense matvecs
-    keep the separate arrays: over records the hardware prefetcher lost them (1.0 -> 1.5 ms;
-    BUILD_NOTES.md, issue 11). A second copy of up, as `_down_t` is of down."""
-    parts = self._stacked[2 + self._ROLES.index("up")]
+    the up pass at 50% / 25% of rows 708-758 -> 514-601 / 406-433 -> 282-302 us
+    (BUILD_NOTES.md, issue 11)."""
     n_layers, f = parts[0].shape[:2]
     widths = [a.shape[2] * a.itemsize for a in parts]
     row = -(-sum(widths) // 64) * 64
@@ -694,8 +617,8 @@ class HostDecoder:
 
   @property
   def down_format(self) -> str | None:
-    """The format of the neuron-major down rows built ("q4_1" | "q8_0" | "file"; kept while the sparse
-    FFN is off), None before any."""
+    """The format of the neuron-major down rows built ("q4_1" | "q8_0" | "file"; kept while the
+    sparse FFN is off), None before any."""
     return None if self._down_t is None else self._down_t[0].kind
 
   def calibrate_gate_cuts(self, chunks, sparsity: float, contribution: bool = False
@@ -713,25 +636,29 @@ class HostDecoder:
       raise HostOpError("calibrate_gate_cuts needs at least one chunk of tokens")
     saved = self.gate_cuts
     self.gate_cuts = None
-    self._record = [[] for _ in self.layers]
-    self._record_contribution = bool(contribution)
+    recorded = []
     try:
       for chunk in chunks:
-        chunk = np.asarray(chunk).reshape(1, -1)
-        self.forward(self.new_cache(1, chunk.shape[1]), chunk, 0, rows=[chunk.shape[1] - 1])
-      return [float(np.quantile(np.concatenate(v), sparsity)) for v in self._record]
+        chunk = np.asarray(chunk).reshape(-1)
+        record = np.empty((self.n_layers, chunk.shape[0], self.intermediate_size), np.float32)
+        self._forward(self.new_cache(1, chunk.shape[0]), chunk,
+                      np.zeros(chunk.shape[0], np.int64), np.arange(chunk.shape[0]),
+                      [chunk.shape[0] - 1], record,
+                      RECORD_CONTRIBUTION if contribution else RECORD_GATE)
+        recorded.append(record.reshape(self.n_layers, -1))
+      values = np.concatenate(recorded, axis=1)
+      return [float(np.quantile(v, sparsity)) for v in values]
     finally:
-      self._record = None
       self.gate_cuts = saved
 
   def ffn_bytes_per_token(self, active_fraction: float | None = None,
                           passed_fraction: float | None = None) -> int:
     """FFN weight bytes one token reads (GGUF block bytes): dense, or gate-first with
     active_fraction of the neurons computed (their neuron-major down rows read: Q8_0, or Q4_1
-    once `enable_gated` built those) and
-    passed_fraction passing the gate (their up rows read; ReGLU/dReLU read more up rows than
-    down rows). passed_fraction None: active_fraction times the ratio measured over this
-    decoder's gate-first passes so far (`read_sums`), or active_fraction before any."""
+    once `enable_gated` built those) and passed_fraction passing the gate (their up rows
+    read; ReGLU/dReLU read more up rows than down rows). passed_fraction None: active_fraction
+    times the ratio measured over this decoder's gate-first passes so far (`read_sums`), or
+    active_fraction before any."""
     if active_fraction is None:
       return sum(w.file_bytes() for layer in self.layers for w in (layer.gate, layer.up,
                                                                     layer.down))
@@ -745,114 +672,103 @@ class HostDecoder:
                    for layer in self.layers) + (active_fraction * per_block + fixed) * blocks)
 
   # ------------------------------------------------------------------------- forward
-  def _norm(self, x: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    return _rms_norm_kernel(x, scale, self.eps)
-
-  def _rope_tables(self, pos: int, t: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin: f32[n, t, R/2] for positions pos + [0, t), one table per distinct layer RoPE
-    (RoFormer §3.4; as pijax.nn.transformer.rope_angles)."""
-    half = self.rope_dim // 2
-    cos, sin = [], []
-    for theta, scale, factors in self._ropes:
-      inv_freq = np.float32(theta) ** (
-          -np.arange(half, dtype=np.float32) * np.float32(2.0) / np.float32(self.rope_dim))
-      if factors:
-        inv_freq = inv_freq / np.asarray(factors, np.float32)
-      angles = (np.arange(pos, pos + t, dtype=np.float32)[:, None] / np.float32(scale)
-                * inv_freq.astype(np.float32))
-      cos.append(np.cos(angles).astype(np.float32))
-      sin.append(np.sin(angles).astype(np.float32))
-    return np.stack(cos), np.stack(sin)
-
   def forward(self, cache: HostKVCache, tokens, pos: int, rows=None) -> np.ndarray:
-    """Runs tokens through the decoder, reading and writing `cache`.
+    """Runs b sequences of t tokens each (cache slots 0..b-1) at positions pos + [0, t).
 
     Args:
-      cache: from `new_cache` (positions [pos, pos + t) are written).
-      tokens: int[b, t] ids at positions pos + [0, t).
+      cache: from `new_cache` with at least b slots (positions [pos, pos + t) are written).
+      tokens: int[b, t].
       pos: position of tokens[:, 0]; pos + t <= the cache's max_seq_len.
-      rows: None for logits at every position, or int[b * t] flat rows (r * t + i) to keep.
+      rows: None for logits at every position, or int[k] flat rows (r * t + i) to keep.
 
     Returns:
-      f32[b * t, V] logits (or f32[len(rows), V]).
+      f32[b * t, V] logits (or f32[k, V]).
 
     Raises:
       HostOpError: a cache of another shape, a batch/length that does not fit it, bad ids.
     """
     tokens = np.asarray(tokens)
+    if tokens.ndim != 2:
+      raise HostOpError(f"tokens must be int[b, t], got shape {tokens.shape}")
     b, t = tokens.shape
+    self._check_cache(cache)
+    if b > cache.batch or not 0 <= pos <= cache.max_seq_len - t:
+      raise HostOpError(f"tokens [{b}, {t}] at position {pos} do not fit the KV cache "
+                        f"[{cache.batch} rows, {cache.max_seq_len} positions]")
+    slots = np.repeat(np.arange(b, dtype=np.int64), t)
+    positions = int(pos) + np.tile(np.arange(t, dtype=np.int64), b)
+    return self._forward(cache, tokens.reshape(-1), slots, positions, rows)
+
+  def forward_rows(self, cache: HostKVCache, tokens, slots, positions, rows=None) -> np.ndarray:
+    """Runs a ragged batch: token i of sequence slot slots[i] at position positions[i] (decode
+    steps of several sequences, chunks of prompts, or both; module docstring).
+
+    Args:
+      cache: from `new_cache`; every position before positions[i] of slot slots[i] must hold
+        that sequence's keys (from earlier passes, or earlier tokens of this pass).
+      tokens, slots, positions: int[N].
+      rows: None for logits of every token, or int[k] indices into the N tokens to keep.
+
+    Returns:
+      f32[N, V] logits (or f32[k, V]).
+
+    Raises:
+      HostOpError: arrays of other lengths, a slot or position outside the cache, a
+        (slot, position) given twice, bad ids.
+    """
+    tokens = np.asarray(tokens).reshape(-1)
+    slots = np.asarray(slots, np.int64).reshape(-1)
+    positions = np.asarray(positions, np.int64).reshape(-1)
+    self._check_cache(cache)
+    n = tokens.shape[0]
+    if slots.shape != (n,) or positions.shape != (n,) or n == 0:
+      raise HostOpError(f"forward_rows needs tokens, slots and positions of one length >= 1, "
+                        f"got {tokens.shape}, {slots.shape}, {positions.shape}")
+    if slots.min() < 0 or slots.max() >= cache.batch or positions.min() < 0 or \
+        positions.max() >= cache.max_seq_len:
+      raise HostOpError(f"slots {slots.min()}..{slots.max()} / positions {positions.min()}.."
+                        f"{positions.max()} outside the KV cache [{cache.batch} slots, "
+                        f"{cache.max_seq_len} positions]")
+    if np.unique(slots * cache.max_seq_len + positions).shape[0] != n:
+      raise HostOpError("forward_rows: a (slot, position) appears twice in one pass")
+    return self._forward(cache, tokens, slots, positions, rows)
+
+  def _check_cache(self, cache) -> None:
     want = (self.n_layers, self.n_kv_heads, self.head_dim)
     if not isinstance(cache, HostKVCache) or (cache.k.shape[0],) + cache.k.shape[3:] != want:
       raise HostOpError(f"forward needs a HostKVCache of this decoder (new_cache), got "
                         f"{type(cache).__name__}")
-    _, cb, seq, _, _ = cache.k.shape
-    if b != cb or not 0 <= pos <= seq - t:
-      raise HostOpError(f"tokens [{b}, {t}] at position {pos} do not fit the KV cache "
-                        f"[{cb} rows, {seq} positions]")
-    n, k, hd = self.n_heads, self.n_kv_heads, self.head_dim
+
+  def _forward(self, cache, tokens, slots, positions, rows, record=_NO_RECORD,
+               record_mode=RECORD_NONE) -> np.ndarray:
     phases = self.phase_cycles
     if phases is not None and (not isinstance(phases, np.ndarray) or phases.dtype != np.int64
                                or phases.shape != (self.n_layers, len(PHASES))
                                or not phases.flags.c_contiguous or not phases.flags.writeable):
       raise HostOpError(f"phase_cycles must be None or a writable C-contiguous i64[{self.n_layers}"
                         f", {len(PHASES)}] array")
-    cos, sin = self._rope_tables(pos, t)
-    x = self.embedding.rows_f32(tokens.reshape(-1))  # [b t, D]
+    cos, sin = attn_lib.rope_tables(self._ropes, self.rope_dim, positions)
+    x = self.embedding.rows_f32(tokens)  # [N, D]
     if self.embedding_scale != 1.0:
       x *= np.float32(self.embedding_scale)
-    if self._stacked is not None and self._record is None:
-      n_threads = _common.ensure_host_threads()
-      stacked = self._stacked
-      if self.gate_cuts is None:
-        cuts, dt = np.zeros((0, 2), np.float32), _NO_DOWN_T
-      else:
-        cuts, dt = self._cuts, self._stacked_down_t
-        if self._up_records is not None:
-          up = 2 + self._ROLES.index("up")
-          stacked = stacked[:up] + (self._up_records,) + stacked[up + 1:]
-      x = _layers_kernel(x, b, t, *stacked, cache.k, cache.v, pos, cos, sin,
-                         self._rope_of, self.windows, self.rope_adjacent, n, k, hd,
-                         np.float32(self.attn_scale), self.eps, self.code,
-                         self.dot == qmatmul.DOT_INT8, cuts, dt, self.last_active,
-                         self.last_passed, n_threads,
-                         _NO_PHASES if phases is None else phases)
-      layers = ()
+    n_threads = _common.ensure_host_threads()
+    if self.gate_cuts is None or record_mode != RECORD_NONE:
+      cuts, up, dt = np.zeros((0, 2), np.float32), _NO_UP, _NO_DOWN_T
     else:
-      layers = self.layers
-    scale = np.float32(self.attn_scale)
-    for i, layer in enumerate(layers):
-      dot = self.dot
-      bias, q_norm, k_norm, post_attn, post_ffn = self._layer_extras[i]
-      qkv = layer.qkv.matmul(self._norm(x, layer.attn_norm), dot=dot)  # [b t, (N + 2K) H]
-      if bias.size:
-        qkv += bias
-      rope = self._rope_of[i]
-      attn = _attention_kernel(qkv.reshape(b, t, n + 2 * k, hd), cache.k[i], cache.v[i], pos,
-                               cos[rope], sin[rope], self.rope_adjacent, n, k, scale,
-                               self.windows[i], q_norm, k_norm, self.eps)  # [b t, N H]
-      h = layer.attn_out.matmul(attn, dot=dot)
-      x = x + (self._norm(h, post_attn) if post_attn.size else h)
-      h = self._norm(x, layer.ffn_norm)
-      g = layer.gate.matmul(h, dot=dot)
-      if self._record is not None and not self._record_contribution:
-        self._record[i].append(np.abs(_gate_activation(g, self.code)).ravel())
-      if self.gate_cuts is None:
-        a = _activation_kernel(g, layer.up.matmul(h, dot=dot), self.code)
-        if self._record is not None and self._record_contribution:
-          self._record[i].append(np.abs(a).ravel())
-        y = layer.down.matmul(a, dot=dot)
-      else:
-        y, active, passed = gated_lib.gated_ffn(g, h, layer.up, self._down_t[i],
-                                                cut=self.gate_cuts[i], family=self.family,
-                                                dot=dot, contribution_cut=self._cuts[i, 1])
-        self.last_active[i] = active.mean() / g.shape[1]
-        self.last_passed[i] = passed.mean() / g.shape[1]
-      x = x + (self._norm(y, post_ffn) if post_ffn.size else y)
-    if self.gate_cuts is not None:
+      cuts, up, dt = self._cuts, self._up, self._stacked_down_t
+    x = _layers_kernel(x, slots, positions, self.pool.pool, self.pool.mats, self._roles,
+                       self._needs, self._norms, self._extras, cache.k, cache.v, cos, sin,
+                       self._rope_of, self.windows, self.rope_adjacent, self.n_heads,
+                       self.n_kv_heads, self.head_dim, np.float32(self.attn_scale), self.eps,
+                       self.code, self.dot == qmatmul.DOT_INT8, cuts, up, dt, self.last_active,
+                       self.last_passed, n_threads, _NO_PHASES if phases is None else phases,
+                       record, record_mode)
+    if self.gate_cuts is not None and record_mode == RECORD_NONE:
       self.read_sums += (float(self.last_active.mean()), float(self.last_passed.mean()))
     if rows is not None:
       x = x[np.asarray(rows, np.int64)]
-    return self.lm_head.matmul(self._norm(x, self.final_norm), dot=self.dot)
+    h = attn_lib.rms_norm(np.ascontiguousarray(x), self.final_norm, self.eps)
+    return self.lm_head.matmul(h, dot=self.dot)
 
   def __repr__(self) -> str:
     kinds = sorted({w.kind for layer in self.layers for w in layer.matrices()})
@@ -864,16 +780,18 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
   """Float64 NumPy reference of `HostDecoder.forward` for one fresh sequence (positions 0..T-1).
 
   tokens: int[T]. Returns f32[T, V] logits. Dequantizes with `qmatmul.dequantize_reference`;
-  with dec.dot "int8" every product quantizes its input as `qdot.matmul_reference` does (what
-  the decoder computes when each forward pass has at most qmatmul.GEMV_MAX_ROWS tokens);
-  RoPE and causal grouped-query attention written out from their definitions; with the
-  gate-first FFN on (`enable_gated`), neurons whose gate fails the layer's cut are zeroed and
-  the down projection uses the neuron-major Q8_0 rows (`gated_ffn_reference`).
+  with dec.dot "int8" every product's input is replaced by its quantized value as the kernel
+  of that matrix reads it (`qpack.x_hat_reference`: per 256 values for packed K-quants, per 32
+  else; the head as `qmatmul.matmul_int8_reference`); RoPE and causal grouped-query attention
+  written out from their definitions; with the gate-first FFN on (`enable_gated`), neurons whose
+  gate fails the layer's cut are zeroed and the down projection uses the neuron-major rows
+  (`gated_ffn_reference`).
   """
   n, k, hd = dec.n_heads, dec.n_kv_heads, dec.head_dim
   tokens = np.asarray(tokens).reshape(-1)
   t = tokens.shape[0]
   half = dec.rope_dim // 2
+  int8 = dec.dot == qmatmul.DOT_INT8
 
   def rope(x, layer):  # [T, heads, H]
     theta, scale, factors = dec.layer_rope[layer]
@@ -897,12 +815,23 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + dec.eps) * \
         np.asarray(scale, np.float64)
 
-  def mm(w, x):
-    if dec.dot == qmatmul.DOT_INT8:
-      return _matmul_reference_int8(w, x)
-    return x @ _dequantize_reference(w).T
+  def mm(role, x):  # A pooled role: each part's products as its kernel computes them.
+    outs = []
+    for p in role.parts:
+      w = qmatmul.dequantize_reference(p.qmatrix())
+      if int8 and p.kind not in (qmatmul.F16, qmatmul.BF16):
+        xk = qpack.x_hat_reference(p.kind if p.packed else qmatmul.Q4_0, x)
+        outs.append(xk @ w.T)
+      else:
+        outs.append(np.asarray(x, np.float64) @ w.T)
+    return np.concatenate(outs, axis=-1)
 
-  x = _dequantize_reference(dec.embedding)[tokens] * dec.embedding_scale
+  def head(x):
+    if int8:
+      return qmatmul.matmul_int8_reference(dec.lm_head, x.astype(np.float32)).astype(np.float64)
+    return x @ qmatmul.dequantize_reference(dec.lm_head).T
+
+  x = qmatmul.dequantize_reference(dec.embedding)[tokens] * dec.embedding_scale
   for li, layer in enumerate(dec.layers):
     qkv = mm(layer.qkv, norm(x, layer.attn_norm))
     if layer.qkv_bias is not None:
@@ -927,28 +856,9 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
       a = _common.activation_reference(mm(layer.gate, h), mm(layer.up, h), dec.family)
       y = mm(layer.down, a)
     else:
-      y = gated_lib.gated_ffn_reference(mm(layer.gate, h), h, layer.up, dec._down_t[li],
-                                        cut=dec.gate_cuts[li], family=dec.family,
-                                        dot=dec.dot,
+      y = gated_lib.gated_ffn_reference(mm(layer.gate, h), h, layer.up.parts[0].qmatrix(),
+                                        dec._down_t[li], cut=dec.gate_cuts[li],
+                                        family=dec.family, dot=dec.dot,
                                         contribution_cut=float(dec._cuts[li, 1]))[0]
     x = x + norm(y, layer.post_ffn_norm)
-  return mm(dec.lm_head, norm(x, dec.final_norm)).astype(np.float32)
-
-
-def _parts(w) -> list:
-  """The QMatrix parts of w stacked by rows (w itself unless a RowConcat)."""
-  return list(getattr(w, "parts", [w]))
-
-
-def _dequantize_reference(w) -> np.ndarray:
-  return np.concatenate([qmatmul.dequantize_reference(p) for p in _parts(w)])
-
-
-def _matmul_reference_int8(w, x) -> np.ndarray:
-  outs = []
-  for p in _parts(w):
-    if p.kind in (qmatmul.Q4_1, qmatmul.Q8_0):
-      outs.append(qdot.matmul_reference(p.kind, p.arrays, x).astype(np.float64))
-    else:  # Formats without an int8 kernel run the f32 one.
-      outs.append(x @ qmatmul.dequantize_reference(p).T)
-  return np.concatenate(outs, axis=-1)
+  return head(norm(x, dec.final_norm)).astype(np.float32)

@@ -14,6 +14,10 @@ Formats (ggml's `block_*` structs, little-endian; gguf-py's `gguf.quants` is the
 of D values is D / values-per-block consecutive blocks):
   Q4_0  32 values, 18 bytes: f16 d, 16 bytes qs.  v[k] = d * (nib[k] - 8), nib[k] = qs[k] & 15
         for k < 16, qs[k - 16] >> 4 for k >= 16 (the nibble order of every 32-value format).
+  Q4_1  32 values, 20 bytes: f16 d, f16 m, 16 bytes qs.  v[k] = d * nib[k] + m.
+  Q8_0  32 values, 34 bytes: f16 d, 32 int8 q.  v[k] = d * q[k].
+  (Q4_1 and Q8_0 rows are read here in the file's layout for the host decoder's weight pool;
+  `qmatmul.QMatrix` keeps them split into codes and scales, `host_ops.qdot`.)
   Q5_0  32 values, 22 bytes: f16 d, u32 qh, 16 bytes qs.  v[k] = d * ((nib[k] | qh_k << 4) - 16),
         qh_k = bit k of qh.
   Q5_1  32 values, 24 bytes: f16 d, f16 m, u32 qh, qs.  v[k] = d * (nib[k] | qh_k << 4) + m.
@@ -71,12 +75,13 @@ from numba.extending import intrinsic
 from host_ops import _common
 
 # Kind codes for the numba dispatch (strings cannot select a branch cheaply inside a kernel).
-Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16 = range(8)
-KIND_CODES = {"q4_0": Q4_0, "q5_0": Q5_0, "q5_1": Q5_1, "q4_k": Q4_K, "q5_k": Q5_K,
+Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16, Q4_1, Q8_0 = range(10)
+KIND_CODES = {"q4_0": Q4_0, "q5_0": Q5_0, "q5_1": Q5_1, "q4_k": Q4_K, "q5_k": Q5_K, "q4_1": Q4_1,
+              "q8_0": Q8_0,
               "q6_k": Q6_K, "f16": F16, "bf16": BF16}
 # (values per block, bytes per block) as stored in GGUF; F16/BF16 rows are read FLOAT_UNIT
 # values at a time by the vector loop and the remainder (D % FLOAT_UNIT) in numba.
-GEOMETRY = {"q4_0": (32, 18), "q5_0": (32, 22), "q5_1": (32, 24), "q4_k": (256, 144),
+GEOMETRY = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q5_0": (32, 22), "q5_1": (32, 24), "q4_k": (256, 144),
             "q5_k": (256, 176), "q6_k": (256, 210), "f16": (1, 2), "bf16": (1, 2)}
 GROUP = 32  # Values per group: the lanes of one accumulator, and the block of `block_sums`.
 FLOAT_UNIT = 64
@@ -251,6 +256,18 @@ def _q4_0_unit(bd, p, o, unsigned=False):
   return _Unit([_centered(bd, _concat(bd, lo, hi), _f16_at(bd, p, o), 8, unsigned)])
 
 
+def _q4_1_unit(bd, p, o, unsigned=False):
+  """Q4_1 as the file stores it (f16 d, f16 m, 16 bytes qs): v = d * nib + m."""
+  lo, hi = _nibbles(bd, _load(bd, p, _add(bd, o, 4), _vec(_I8, 16)))
+  return _Unit([_Group(_concat(bd, lo, hi), _f16_at(bd, p, o), _f16_at(bd, p, _add(bd, o, 2)),
+                       0)])
+
+
+def _q8_0_unit(bd, p, o, unsigned=False):
+  """Q8_0 as the file stores it (f16 d, 32 signed codes): v = d * q."""
+  return _Unit([_Group(_load(bd, p, _add(bd, o, 2), _vec(_I8, 32)), _f16_at(bd, p, o), None, 0)])
+
+
 def _q5_unit(bd, p, o, with_min, unsigned=False):
   """Q5_0 (with_min False) or Q5_1."""
   head = 4 if with_min else 2
@@ -334,6 +351,8 @@ _UNITS = {
     "q4_0": (32, 18, _q4_0_unit),
     "q5_0": (32, 22, lambda bd, p, o, unsigned=False: _q5_unit(bd, p, o, False, unsigned)),
     "q5_1": (32, 24, lambda bd, p, o, unsigned=False: _q5_unit(bd, p, o, True)),
+    "q4_1": (32, 20, _q4_1_unit),
+    "q8_0": (32, 34, _q8_0_unit),
     "q4_k": (256, 144, lambda bd, p, o, unsigned=False: _k_unit(bd, p, o, five=False)),
     "q5_k": (256, 176, lambda bd, p, o, unsigned=False: _k_unit(bd, p, o, five=True)),
     "q6_k": (256, 210, _q6_k_unit),
@@ -445,8 +464,8 @@ def _row_dequant_codegen(kind):
 
 # Kinds whose codes are signed in the integer dot (Q6_K, -32..31; the others' are 0..31, Q4_0
 # and Q5_0 with their center as an offset): the integer dot moves their sign to x.
-_SIGNED_CODES = ("q6_k",)
-INT8_KINDS = ("q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+_SIGNED_CODES = ("q6_k", "q8_0")
+INT8_KINDS = ("q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_1", "q8_0")
 
 
 def _x86(bd, name, ret, args):
@@ -576,6 +595,16 @@ def _row_dot_q6_k(typingctx, row, x, xsum):
 
 
 @intrinsic
+def _row_dot_q4_1(typingctx, row, x, xsum):
+  return _dot_sig("q4_1", row, x, xsum)
+
+
+@intrinsic
+def _row_dot_q8_0(typingctx, row, x, xsum):
+  return _dot_sig("q8_0", row, x, xsum)
+
+
+@intrinsic
 def _row_dot_f16(typingctx, row, x, xsum):
   return _dot_sig("f16", row, x, xsum)
 
@@ -614,6 +643,16 @@ def _row_dequant_q5_k(typingctx, row, out):
 @intrinsic
 def _row_dequant_q6_k(typingctx, row, out):
   return _dequant_sig("q6_k", row, out)
+
+
+@intrinsic
+def _row_dequant_q4_1(typingctx, row, out):
+  return _dequant_sig("q4_1", row, out)
+
+
+@intrinsic
+def _row_dequant_q8_0(typingctx, row, out):
+  return _dequant_sig("q8_0", row, out)
 
 
 @intrinsic
@@ -662,6 +701,16 @@ def _row_dot_int8_q5_k(typingctx, row, xq, dx, xsum):
 @intrinsic
 def _row_dot_int8_q6_k(typingctx, row, xq, dx, xsum):
   return _int8_sig("q6_k", row, xq, dx, xsum)
+
+
+@intrinsic
+def _row_dot_int8_q4_1(typingctx, row, xq, dx, xsum):
+  return _int8_sig("q4_1", row, xq, dx, xsum)
+
+
+@intrinsic
+def _row_dot_int8_q8_0(typingctx, row, xq, dx, xsum):
+  return _int8_sig("q8_0", row, xq, dx, xsum)
 
 
 def _scalar_sig(hw):
@@ -733,6 +782,10 @@ def row_dot(code, row, x, xsum):
     return _row_dot_q5_k(row, x, xsum)
   if code == Q6_K:
     return _row_dot_q6_k(row, x, xsum)
+  if code == Q4_1:
+    return _row_dot_q4_1(row, x, xsum)
+  if code == Q8_0:
+    return _row_dot_q8_0(row, x, xsum)
   acc = _row_dot_f16(row, x, xsum) if code == F16 else _row_dot_bf16(row, x, xsum)
   for j in range(x.shape[0] // FLOAT_UNIT * FLOAT_UNIT, x.shape[0]):  # F16/BF16: any D.
     v = f16_to_f32(_u16_at(row, j)) if code == F16 else bf16_to_f32(_u16_at(row, j))
@@ -755,6 +808,10 @@ def row_dequant(code, row, out):
     _row_dequant_q5_k(row, out)
   elif code == Q6_K:
     _row_dequant_q6_k(row, out)
+  elif code == Q4_1:
+    _row_dequant_q4_1(row, out)
+  elif code == Q8_0:
+    _row_dequant_q8_0(row, out)
   else:
     if code == F16:
       _row_dequant_f16(row, out)
@@ -778,4 +835,8 @@ def row_dot_int8(code, row, xq, dx, xsum):
     return _row_dot_int8_q4_k(row, xq, dx, xsum)
   if code == Q5_K:
     return _row_dot_int8_q5_k(row, xq, dx, xsum)
+  if code == Q4_1:
+    return _row_dot_int8_q4_1(row, xq, dx, xsum)
+  if code == Q8_0:
+    return _row_dot_int8_q8_0(row, xq, dx, xsum)
   return _row_dot_int8_q6_k(row, xq, dx, xsum)

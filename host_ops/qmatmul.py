@@ -23,10 +23,13 @@ Formats (rows of a matrix stored [out, in], D = in, a multiple of `block_size(ki
     `host_ops.qblocks`. D is a multiple of 256 for the K-quants, of 32 for Q4_0/Q5_0/Q5_1, any
     for F16/BF16.
 
-Products: `QMatrix.matmul(x)` = x @ W.T for x: f32[b, D]. For b <= GEMV_MAX_ROWS a flat numba
-loop reads every block once and dots it with each row of x (parallel over output rows); for
-larger b (prefill, perplexity) each weight row is dequantized once into an f32 buffer and dotted
-with every row of x, so the 4-bit decode is paid once per row, not once per token.
+Products: `QMatrix.matmul(x)` = x @ W.T for x: f32[b, D]. With f32 activations, for b <=
+GEMV_MAX_ROWS a flat numba loop reads every block once and dots it with each row of x (parallel
+over output rows); for larger b each weight row is dequantized once into an f32 buffer and dotted
+with every row of x, so the 4-bit decode is paid once per row, not once per token. With
+dot="int8" every b takes the integer row dots (each output its own row's dot: the same bits
+whatever the batch). The host decoder's layers use `host_ops.pool` (packed integer kernels,
+`host_ops.qpack`); QMatrix serves the embedding, the LM head and the sparse FFN's copies.
 
 The flat loop is the fastest float shape measured (a loop nest over blocks was slower,
 BUILD_NOTES.md). With dot="int8" the gemv quantizes x per block and uses the SIMD integer
@@ -72,10 +75,10 @@ GGML_KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q8_0": Q8
 # every row of x: the two break even at about 8 rows, and the second gains with the batch.
 # NumPy's BLAS is not used: its threads and numba's spin against each other on a 2-core machine.
 GEMV_MAX_ROWS = 8
-# How a product of at most GEMV_MAX_ROWS rows treats x: "f32" keeps it (the f32 dense path's
-# values up to summation order); "int8" quantizes it per block of 32 and sums integer products
-# (`host_ops.qdot`, llama.cpp's arithmetic, ~2-4x faster). "int8" runs as "f32" where
-# qdot.AVAILABLE is False, and for F16/BF16 matrices.
+# How a product treats x: "f32" keeps it (the f32 dense path's values up to summation order);
+# "int8" quantizes it per block and sums integer products (`host_ops.qdot`, `host_ops.qpack`,
+# llama.cpp's arithmetic, ~2-4x faster). "int8" runs as "f32" where qdot.AVAILABLE is False,
+# and for F16/BF16 matrices.
 DOT_F32 = "f32"
 DOT_INT8 = "int8"
 DOTS = (DOT_INT8, DOT_F32)
@@ -195,7 +198,7 @@ _TILE = 16  # Weight rows dequantized together by the many-row product.
 
 
 @numba.njit(inline="always", **_common._JIT)
-def _tile_dots(w, rows, x, out, lo):
+def tile_dots(w, rows, x, out, lo):
   """out[r, lo + k] = w[k] . x[r] for k < rows, every r: four rows of x per pass over a weight
   row, so each loaded weight feeds four FMAs."""
   b = x.shape[0]
@@ -241,7 +244,7 @@ def _gemm_q4_1_kernel(qs, d, m, x, out):
     w = np.empty((_TILE, x.shape[1]), np.float32)
     for k in range(rows):
       _dequant_row_q4_1(qs[lo + k], d[lo + k], m[lo + k], w[k])
-    _tile_dots(w, rows, x, out, lo)
+    tile_dots(w, rows, x, out, lo)
 
 
 @numba.njit(parallel=True, **_common._JIT)
@@ -254,7 +257,7 @@ def _gemm_q8_0_kernel(q, d, x, out):
     w = np.empty((_TILE, x.shape[1]), np.float32)
     for k in range(rows):
       _dequant_row_q8_0(q[lo + k], d[lo + k], w[k])
-    _tile_dots(w, rows, x, out, lo)
+    tile_dots(w, rows, x, out, lo)
 
 
 @numba.njit(parallel=True, **_common._JIT)
@@ -324,7 +327,7 @@ def _gemm_raw_kernel(code, raw, x, out):
     w = np.empty((_TILE, x.shape[1]), np.float32)
     for k in range(rows):
       qblocks.row_dequant(code, raw[lo + k], w[k])
-    _tile_dots(w, rows, x, out, lo)
+    tile_dots(w, rows, x, out, lo)
 
 
 @numba.njit(parallel=True, **_common._JIT)
@@ -476,8 +479,8 @@ class QMatrix:
   def matmul(self, x, out: np.ndarray | None = None, dot: str = DOT_F32) -> np.ndarray:
     """x @ W.T: x f32[b, D] -> f32[b, n] (f32[D] -> f32[n]).
 
-    dot: "f32" or "int8" (x quantized per block for b <= GEMV_MAX_ROWS; see DOT_INT8; F16 and
-      BF16 always run "f32").
+    dot: "f32" or "int8" (x quantized per block of 32 and integer dots, any number of rows,
+      each output its own row's dot; see DOT_INT8; F16 and BF16 always run "f32").
     Deterministic for a given b (each output is one row's dot in a fixed order).
 
     Raises:
@@ -493,19 +496,19 @@ class QMatrix:
     int8 = dot == DOT_INT8 and qdot.AVAILABLE
     if self.kind in RAW_KINDS:
       code = qblocks.KIND_CODES[self.kind]
-      if b > GEMV_MAX_ROWS:
-        _gemm_raw_kernel(code, self.arrays[0], x2, out)
-      elif int8 and self.kind in qblocks.INT8_KINDS:
+      if int8 and self.kind in qblocks.INT8_KINDS:  # Any number of rows: each row's own dot.
         _gemv_raw_int8_kernel(code, self.arrays[0], x2, out, _PREFETCH_BYTES[self.kind][1])
+      elif b > GEMV_MAX_ROWS:
+        _gemm_raw_kernel(code, self.arrays[0], x2, out)
       else:
         _gemv_raw_kernel(code, self.arrays[0], x2, out, _PREFETCH_BYTES[self.kind][0])
       return out[0] if squeeze else out
     if self.kind == Q4_1:
-      kernel = _gemm_q4_1_kernel if b > GEMV_MAX_ROWS else (
-          qdot.gemv_q4_1 if int8 else _gemv_q4_1_kernel)
+      kernel = qdot.gemv_q4_1 if int8 else (
+          _gemm_q4_1_kernel if b > GEMV_MAX_ROWS else _gemv_q4_1_kernel)
     else:
-      kernel = _gemm_q8_0_kernel if b > GEMV_MAX_ROWS else (
-          qdot.gemv_q8_0 if int8 else _gemv_q8_0_kernel)
+      kernel = qdot.gemv_q8_0 if int8 else (
+          _gemm_q8_0_kernel if b > GEMV_MAX_ROWS else _gemv_q8_0_kernel)
     kernel(*self.arrays, x2, out)
     return out[0] if squeeze else out
 
@@ -716,7 +719,7 @@ def matmul_reference(w: QMatrix, x) -> np.ndarray:
 
 
 def matmul_int8_reference(w: QMatrix, x) -> np.ndarray:
-  """Float64 NumPy reference of `matmul(x, dot="int8")` for b <= GEMV_MAX_ROWS: f32[b, n].
+  """Float64 NumPy reference of `matmul(x, dot="int8")`: f32[b, n].
 
   x is replaced by x_hat = dx * xq (`qdot.quantize_x_reference`); every kind with an integer dot
   computes W . x_hat (offset terms against the quantized block sums are the same sums).

@@ -158,16 +158,16 @@ def weights_size_bytes(model) -> int:
 
 def _phase_decoder(model):
   """The host decoder whose layer loop `--profile_layers` times; ConfigError when there is none
-  or it runs the per-layer loop (layers of mixed formats), which is not timed."""
+  (the model does not run on host weights)."""
   import platform
   from host_ops import _common as host_common
   if not host_common.IS_X86:
     raise ConfigError("--profile_layers reads the x86 cycle counter (rdtsc); this machine is "
                       f"{platform.machine()}: drop the flag.")
   dec = getattr(model.backend, "decoder", None)
-  if dec is None or getattr(dec, "_stacked", None) is None:
-    raise ConfigError("--profile_layers times the host weights' one-call layer loop: use a "
-                      "Q4_1 or Q8_0 GGUF on a CPU run (host weights), or drop the flag.")
+  if dec is None:
+    raise ConfigError("--profile_layers times the host weights' layer loop: use a quantized "
+                      "GGUF on a CPU run (host weights), or drop the flag.")
   return dec
 
 
@@ -180,7 +180,7 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
   layer loop (`host_ops.decoder.PHASES`, from the CPU's cycle counter, x86 only; over the timed
   repetitions, as tokens/s).
   Raises ConfigError when interleave_dense is asked for any other mode, or profile_layers
-  without host weights' one-call layer loop."""
+  without host weights."""
   if profile_layers and not n_gen:
     raise ConfigError("--profile_layers times decode: give -n > 0, or drop the flag.")
   dec_phases = _phase_decoder(model) if profile_layers else None
@@ -246,6 +246,46 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
   return rows
 
 
+def bench_parallel(model, n_prompt: int, n_gen: int, reps: int, batches: list[int],
+                   threads: int, seed: int = 0) -> list[dict[str, Any]]:
+  """Aggregate decode tokens/s of B sequences decoded together (`pijax.batching`), per B in
+  batches (llama-batched-bench's -npl): each sequence gets its own n_prompt random ids
+  (prefilled alone, not timed), then n_gen decode steps of all B are timed (B * n_gen tokens;
+  end-of-sequence ignored). One warm-up repetition per B. Rows carry "n_parallel" and
+  "vs_parallel_1" (the ratio to the B=1 row when B=1 was asked for).
+
+  Raises ConfigError: a model not on host weights, B < 1."""
+  from pijax import batching
+  rng = np.random.default_rng(seed)
+  vocab = model.config.vocab_size
+  rows = []
+  for b in batches:
+    rates = []
+    for rep in range(reps + 1):
+      gen = batching.BatchGenerator(model, b)
+      for _ in range(b):
+        gen.add(rng.integers(0, vocab, max(1, n_prompt)).tolist(),
+                max_new_tokens=n_gen + 1, ignore_eos=True)
+      t0 = time.perf_counter()
+      for _ in range(n_gen):
+        gen.step()
+      if rep:
+        rates.append(b * n_gen / (time.perf_counter() - t0))
+    read, _ = weight_bytes_per_token(model, 0.0)
+    r = BenchResult(f"pp{n_prompt}+tg{n_gen}", rates, 0.0)
+    rows.append({"model": model.path, "size_gib": weights_size_bytes(model) / 2 ** 30,
+                 "weights": weights_label(model), "params_m": model.config.n_params() / 1e6,
+                 "backend": jax.default_backend(), "threads": threads, "mode": model.sparse_mode,
+                 "test": r.test, "n_parallel": b, "t_s_mean": r.mean, "t_s_sd": r.sd,
+                 "compile_s": 0.0, "ffn_sparsity": 0.0, "reps": reps,
+                 "implied_gb_s": read * r.mean / b / 1e9})
+  one = [r["t_s_mean"] for r in rows if r["n_parallel"] == 1]
+  for r in rows:
+    if one:
+      r["vs_parallel_1"] = r["t_s_mean"] / one[0]
+  return rows
+
+
 def format_markdown(rows: list[dict[str, Any]]) -> str:
   out = ["| model | size | params | weights | backend | threads | mode | test | t/s |",
          "| --- | ---: | ---: | --- | --- | ---: | --- | --- | ---: |"]
@@ -255,6 +295,11 @@ def format_markdown(rows: list[dict[str, Any]]) -> str:
                f"{r['threads']} | {r['mode']} | "
                f"{r['test']} | {r['t_s_mean']:.2f} ± {r['t_s_sd']:.2f} |")
   for r in rows:
+    if "n_parallel" in r:
+      ratio = f", {r['vs_parallel_1']:.2f}x B=1" if "vs_parallel_1" in r else ""
+      out.append(f"{r['test']} x{r['n_parallel']}: aggregate decode {r['t_s_mean']:.2f} t/s"
+                 f"{ratio}, weights read {r['implied_gb_s']:.1f} GB/s (once per step)")
+      continue
     extra = f"{r['test']}: compile {r['compile_s']:.2f} s"
     if r["mode"] != "off":
       extra += f", FFN sparsity {r['ffn_sparsity']:.3f}"
@@ -316,7 +361,10 @@ def load_for_bench(f):
   import os
   import pijax
   from pijax import sparse_flags
-  model = pijax.load(f.model, max_seq_len=max(f.n_prompt, f.n_gen + 1, 256))
+  # --parallel: each sequence holds its prompt and its generated tokens.
+  parallel = bool(getattr(f, "parallel", None))
+  model = pijax.load(f.model, max_seq_len=max(f.n_prompt + f.n_gen + 1 if parallel else
+                                              max(f.n_prompt, f.n_gen + 1), 256))
   if f.n_prompt > model.max_seq_len or f.n_gen + 1 > model.max_seq_len:
     raise ConfigError(f"-p {f.n_prompt} / -n {f.n_gen} do not fit the model's context of "
                       f"{model.max_seq_len} tokens (-p <= {model.max_seq_len}, "
@@ -328,14 +376,32 @@ def load_for_bench(f):
   return model, f.threads or os.cpu_count()
 
 
+def _batches(values: list[str]) -> list[int]:
+  try:
+    batches = [int(v) for v in values]
+  except ValueError:
+    batches = []
+  if not batches or min(batches) < 1:
+    raise ConfigError(f"--parallel={','.join(values)} must be batch sizes >= 1, e.g. 1,2,4,8.")
+  return batches
+
+
 def main(argv: list[str]) -> None:
   del argv
   from absl import flags
   f = flags.FLAGS
   check_flags(f)
+  if f.parallel:
+    _batches(f.parallel)  # Refused before the load.
   model, threads = load_for_bench(f)
-  rows = run(model, n_prompt=f.n_prompt, n_gen=f.n_gen, reps=f.repetitions, threads=threads,
-             interleave_dense=f.interleave_dense, profile_layers=f.profile_layers)
+  if f.parallel:
+    if not f.n_gen:
+      raise ConfigError("--parallel times decode: give -n > 0.")
+    rows = bench_parallel(model, f.n_prompt, f.n_gen, f.repetitions, _batches(f.parallel),
+                          threads)
+  else:
+    rows = run(model, n_prompt=f.n_prompt, n_gen=f.n_gen, reps=f.repetitions, threads=threads,
+               interleave_dense=f.interleave_dense, profile_layers=f.profile_layers)
   if f.output == "json":
     sys.stdout.write(json.dumps(rows, indent=1) + "\n")
   else:
@@ -350,4 +416,7 @@ if __name__ == "__main__":
                          "per layer and token of each phase of the layer loop (q/k/v, "
                          "attention, output, gate, up, down; the up and down passes with "
                          "--gate_sparse), from the CPU's cycle counter.")
+  absl_flags.DEFINE_list("parallel", [], "Host weights: aggregate decode tokens/s of B "
+                         "sequences decoded together for each B given (e.g. 1,2,4,8; "
+                         "llama-batched-bench's -npl), each after its own -p token prompt.")
   cli.run(main, "pijax.bench")

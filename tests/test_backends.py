@@ -108,12 +108,21 @@ def test_device_backends_match_transformers(tmp_path, family, act, activation, t
 @pytest.mark.parametrize("family,act,activation,tied", FAMILIES)
 def test_host_backend_matches_xla_on_the_same_blocks(tmp_path, family, act, activation, tied,
                                                      rope):
-  """On a Q8_0 file the host backend (blocks kept) and the XLA backend (blocks dequantized to
-  f32) compute the same function; both stay close to transformers' unquantized model."""
+  """On a Q8_0 file the host backend (blocks kept) with f32 products and the XLA backend
+  (blocks dequantized to f32) compute the same function; both stay close to transformers'
+  unquantized model. With int8 products (the default) the host backend computes its float64
+  reference's int8 arithmetic."""
   hf, model = _tiny(tmp_path, family, act, activation, tied, rope, qtype="Q8_0")
   xla_logits = model.prompt_logits(IDS)
   xla_tokens = model.generate(IDS[:5], max_new_tokens=6, temperature=0.0).token_ids
   model.use_backend(host_backend.build(model.config, model.path, "gguf"))
+  dec = model.backend.decoder
+  if dec.dot == "int8":
+    from host_ops import decoder as decoder_lib
+    got, ref8 = model.prompt_logits(IDS), decoder_lib.decoder_reference(dec, IDS)
+    err = np.abs(got - ref8) / np.abs(ref8).max()
+    assert err.max() <= 2e-2 and err.mean() <= 1e-3, (err.max(), err.mean())
+  model.use_backend(host_backend.build(model.config, model.path, "gguf", dot="f32"))
   assert model.backend.decoder.lm_head.kind == "q8_0"
   host_logits = model.prompt_logits(IDS)
   np.testing.assert_allclose(host_logits, xla_logits, rtol=1e-4,

@@ -115,12 +115,18 @@ def test_gemv_extreme_codes_do_not_saturate(kind):
 
 @needs_simd
 def test_matmul_vector_and_many_rows():
-  """A 1-D x is one row; above GEMV_MAX_ROWS rows the f32 tiled product runs whatever `dot`."""
+  """A 1-D x is one row; above GEMV_MAX_ROWS rows dot="int8" stays integer, each row its own
+  dot (the same bits as that row alone), and dot="f32" takes the tiled f32 product."""
   rng = np.random.default_rng(9)
-  w = _random(rng, "q4_1", 40, 64)
-  x = _x(rng, qmatmul.GEMV_MAX_ROWS + 3, 64)
-  np.testing.assert_array_equal(w.matmul(x[0], dot="int8"), w.matmul(x[:1], dot="int8")[0])
-  np.testing.assert_array_equal(w.matmul(x, dot="int8"), w.matmul(x, dot="f32"))
+  for kind in ("q4_1", "q8_0"):
+    w = _random(rng, kind, 40, 64)
+    x = _x(rng, qmatmul.GEMV_MAX_ROWS + 3, 64)
+    np.testing.assert_array_equal(w.matmul(x[0], dot="int8"), w.matmul(x[:1], dot="int8")[0])
+    many = w.matmul(x, dot="int8")
+    np.testing.assert_array_equal(many[7], w.matmul(x[7:8], dot="int8")[0])
+    ref = qdot.matmul_reference(kind, w.arrays, x)
+    np.testing.assert_allclose(many, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+    assert not np.array_equal(many, w.matmul(x, dot="f32"))
   with pytest.raises(HostOpError, match="dot must be"):
     w.matmul(x, dot="int4")
 
@@ -152,13 +158,23 @@ for n, dim in ((1536, 576), (40, 2048)):
   out[f"q4_1_{dim}"] = o.copy()
   qdot.gemv_q8_0(q, d, xs, o)
   out[f"q8_0_{dim}"] = o.copy()
-from host_ops import decoder
-qkv = rng.standard_normal((1, 5, 15, 64)).astype(np.float32)
+from host_ops import attention, qpack
+qkv = rng.standard_normal((5, 15, 64)).astype(np.float32)
 ang = rng.uniform(0, 3, (5, 32)).astype(np.float32)
 none = np.zeros(0, np.float32)
-out["attention"] = decoder._attention_kernel(
-    qkv, np.zeros((1, 8, 3, 64), np.float32), np.zeros((1, 8, 3, 64), np.float32), 0,
-    np.cos(ang), np.sin(ang), False, 9, 3, np.float32(0.125), 0, none, none, np.float32(1e-5))
+out["attention"] = attention.attention(
+    qkv, np.zeros((1, 8, 3, 64), np.float32), np.zeros((1, 8, 3, 64), np.float32),
+    np.zeros(5, np.int64), np.arange(5), np.cos(ang), np.sin(ang), False, 9, 3,
+    np.float32(0.125), 0, none, none, np.float32(1e-5))
+for kind, values, nbytes in (("q4_k", 256, 144), ("q4_1", 32, 20), ("q6_k", 256, 210)):
+  raw = rng.integers(0, 256, (64, 512 // values, nbytes), dtype=np.uint8)
+  at = {"q4_k": (0, 2), "q4_1": (0, 2), "q6_k": (208,)}[kind]
+  for a in at:
+    raw[:, :, a:a + 2] = qmatmul.f16_bits(rng.uniform(0.001, 0.05, (64, 512 // values, 1))).view(
+        np.uint8).reshape(64, 512 // values, 2)
+  packed = qpack.pack(kind, raw.reshape(64, -1))
+  out[f"packed_{kind}"] = qpack.matmul(kind, packed, rng.standard_normal((5, 512)).astype(
+      np.float32))
 np.savez(sys.argv[1], **out)
 """
 
@@ -166,8 +182,8 @@ np.savez(sys.argv[1], **out)
 @needs_simd
 @pytest.mark.slow
 def test_integer_dots_same_bits_compiled_or_loaded_from_cache(tmp_path):
-  """The gemvs and the attention kernel give the same bits in the process that compiles them
-  as in one that loads them from numba's disk cache. Under fastmath the two ran differently
+  """The gemvs, the packed products and the attention kernel give the same bits in the process
+  that compiles them as in one that loads them from numba's disk cache. Under fastmath the two ran differently
   optimized code (111 of 1536 Q4_1 outputs, 644 of 2880 SmolLM2 attention outputs differed in
   the last bit), which int8 activations turned into other greedy text (BUILD_NOTES.md, issue
   11); the intrinsics' float ops keep IEEE order, attention compiles without reassoc."""
@@ -186,6 +202,6 @@ def test_integer_dots_same_bits_compiled_or_loaded_from_cache(tmp_path):
     if k == 0:  # The second run loads what the first compiled.
       assert list((tmp_path / "cache").rglob("qdot.gemv_q4_1-*.nbc"))
     runs.append(np.load(out))
-  assert sorted(runs[0].files) == sorted(runs[1].files) and len(runs[0].files) == 5
+  assert sorted(runs[0].files) == sorted(runs[1].files) and len(runs[0].files) == 8
   for name in runs[0].files:
     np.testing.assert_array_equal(runs[0][name], runs[1][name], err_msg=name)

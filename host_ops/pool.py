@@ -1,0 +1,284 @@
+"""A decoder's weight matrices in one aligned buffer, and the product the layer loop calls on them.
+
+Why (issue 30): the layer loop is one compiled function for every model, so it must reach every
+matrix the same way whatever its format. Each matrix is copied once, at load, into one 64-byte
+aligned u8 buffer (`WeightPool`): in the packed layout of `host_ops.qpack` (16 rows interleaved)
+where an integer product runs and a packed kernel exists, else as the file's own rows
+(`host_ops.qblocks`). A matrix is then a row of a small table (`mats`), a layer's role (q | k |
+v, ...) up to MAX_PARTS matrix ids whose outputs are side by side: one kernel signature for
+Q4_K with Q6_K v, Gemma's per-layer mix, or a uniform Q4_1 file. The file's pages are not
+kept (the copy is the only one in memory; `PooledMatrix` gives the file's blocks back).
+
+Products (`pool_matmul`): packed -> `qpack.matmul_kernel` (int8); rows with int8 products ->
+`qblocks.row_dot_int8` (activations per 32 values); f32 products -> `qblocks.row_dot` for up to
+GEMV_MAX_ROWS activation rows, else 16 rows dequantized once and dotted with every row
+(`qmatmul.tile_dots`). Each output element is one weight row's dot with one activation row in
+an order fixed by the kernel, so results do not depend on the other rows of a batch (int8 at
+any batch; f32 up to GEMV_MAX_ROWS rows, where the product changes kernel).
+
+Layout per STYLE.md: numba drivers -> WeightPool (builds, validates) -> PooledMatrix (the file's
+blocks back, for references and the sparse FFN's own copies).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from host_ops import _common
+from host_ops import qblocks
+from host_ops import qmatmul
+from host_ops import qpack
+from host_ops._common import HostOpError
+
+PACKED, ROWS = 0, 1  # Layouts of a matrix in the pool.
+MAX_PARTS = 3  # Matrices side by side in one role (q | k | v).
+# Columns of the `mats` table.
+M_LAYOUT, M_KIND, M_OFFSET, M_ROWS, M_COLS, M_ROW_BYTES = range(6)
+GEMV_MAX_ROWS = qmatmul.GEMV_MAX_ROWS
+
+
+# ----------------------------------------------------------------------------- drivers
+@numba.njit(parallel=True, **_common._JIT)
+def _rows_int8(code, raw, xq8, dx, xsum, out, col):
+  """out[r, col + i] = raw row i . x_hat[r] (per-32 activations); the next row prefetched."""
+  n = raw.shape[0]
+  for i in numba.prange(n):
+    if i + 1 < n:
+      _common.prefetch_row(raw[i + 1])
+    for r in range(out.shape[0]):
+      out[r, col + i] = qblocks.row_dot_int8(code, raw[i], xq8[r], dx[r], xsum[r])
+
+
+@numba.njit(parallel=True, **_common._JIT)
+def _rows_f32(code, raw, x, xsum, out, col):
+  """out[r, col + i] = raw row i . x[r] (f32 activations, one row at a time)."""
+  n = raw.shape[0]
+  for i in numba.prange(n):
+    if i + 1 < n:
+      _common.prefetch_row(raw[i + 1])
+    for r in range(out.shape[0]):
+      out[r, col + i] = qblocks.row_dot(code, raw[i], x[r], xsum[r])
+
+
+_TILE = 16
+
+
+@numba.njit(parallel=True, **_common._JIT)
+def _tiles_f32(code, raw, x, out, col):
+  """out[:, col:col + n] = x @ W.T for many rows: 16 weight rows dequantized at a time."""
+  n = raw.shape[0]
+  b = x.shape[0]
+  for tile in numba.prange((n + _TILE - 1) // _TILE):
+    lo = tile * _TILE
+    rows = min(_TILE, n - lo)
+    w = np.empty((_TILE, x.shape[1]), np.float32)
+    part = np.empty((b, _TILE), np.float32)
+    for k in range(rows):
+      qblocks.row_dequant(code, raw[lo + k], w[k])
+    qmatmul.tile_dots(w, rows, x, part, 0)
+    for r in range(b):
+      for k in range(rows):
+        out[r, col + lo + k] = part[r, k]
+
+
+@numba.njit(**_common._JIT)
+def pool_matmul(pool, mats, ids, xa, x, xsum, out, int8):
+  """out[:, :] = x @ W.T for the role whose matrix ids (-1 padded) are `ids`, their outputs side
+  by side (the first part's rows first).
+
+  pool: u8[total]; mats: i64[M, 6] (`M_*` columns); xa: the activations of x (`qpack.ACTIVATIONS`,
+  per-32 half needed by row matrices with int8 products); x: f32[b, D]; xsum: f32[b, D/32] block
+  sums of x (f32 row products); out: f32[b, sum of rows]; int8: integer products where a kind
+  has them (else f32)."""
+  col = 0
+  for p in range(ids.shape[0]):
+    m = ids[p]
+    if m < 0:
+      break
+    n = mats[m, M_ROWS]
+    rb = mats[m, M_ROW_BYTES]
+    off = mats[m, M_OFFSET]
+    kind = mats[m, M_KIND]
+    if mats[m, M_LAYOUT] == PACKED:
+      packed = pool[off:off + (n // qpack.G) * rb].reshape((n // qpack.G, rb))
+      qpack.matmul_kernel(kind, packed, xa, out, col)
+    else:
+      raw = pool[off:off + n * rb].reshape((n, rb))
+      if int8 and kind != qblocks.F16 and kind != qblocks.BF16:
+        _rows_int8(kind, raw, xa[0], xa[1], xa[2], out, col)
+      elif x.shape[0] <= GEMV_MAX_ROWS:
+        _rows_f32(kind, raw, x, xsum, out, col)
+      else:
+        _tiles_f32(kind, raw, x, out, col)
+    col += n
+
+
+# ----------------------------------------------------------------------------- the pool
+def _file_rows(w) -> np.ndarray:
+  """A QMatrix's (or PooledMatrix's) rows in the file's block layout: u8[n, row bytes] (a view
+  for the raw kinds; Q4_1 / Q8_0 interleaved back from their codes and scales)."""
+  if isinstance(w, PooledMatrix):
+    return w.file_rows()
+  n, dim = w.shape
+  nb = dim // qmatmul.BLOCK
+  if w.kind == qmatmul.Q4_1:
+    qs, d, m = w.arrays
+    out = np.empty((n, nb, 20), np.uint8)
+    out[:, :, 0:2] = d.view(np.uint8).reshape(n, nb, 2)
+    out[:, :, 2:4] = m.view(np.uint8).reshape(n, nb, 2)
+    out[:, :, 4:] = qs.reshape(n, nb, 16)
+    return out.reshape(n, nb * 20)
+  if w.kind == qmatmul.Q8_0:
+    q, d = w.arrays
+    out = np.empty((n, nb, 34), np.uint8)
+    out[:, :, 0:2] = d.view(np.uint8).reshape(n, nb, 2)
+    out[:, :, 2:] = q.view(np.uint8).reshape(n, nb, 32)
+    return out.reshape(n, nb * 34)
+  return w.arrays[0]
+
+
+class PooledMatrix:
+  """One matrix of a WeightPool: QMatrix's accounting (kind, shape, file_bytes, nbytes) and the
+  file's blocks back (`qmatrix`: a QMatrix, copied out of the pool, for references and the
+  sparse FFN's own layouts)."""
+
+  def __init__(self, pool: "WeightPool", index: int, kind: str, shape: tuple[int, int]):
+    self._pool, self.index, self.kind, self.shape = pool, index, kind, tuple(shape)
+
+  @property
+  def packed(self) -> bool:
+    return int(self._pool.mats[self.index, M_LAYOUT]) == PACKED
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes this matrix takes in the pool."""
+    m = self._pool.mats[self.index]
+    groups = m[M_ROWS] // qpack.G if m[M_LAYOUT] == PACKED else m[M_ROWS]
+    return int(groups * m[M_ROW_BYTES])
+
+  def file_bytes(self) -> int:
+    values, nbytes = qblocks.GEOMETRY[self.kind]
+    return self.shape[0] * (self.shape[1] // values) * nbytes
+
+  def stored(self) -> np.ndarray:
+    """The pool's bytes of this matrix (a view): u8[n / G, row bytes] packed, u8[n, row bytes]
+    rows."""
+    m = self._pool.mats[self.index]
+    groups = m[M_ROWS] // qpack.G if m[M_LAYOUT] == PACKED else m[M_ROWS]
+    off = int(m[M_OFFSET])
+    return self._pool.pool[off:off + groups * m[M_ROW_BYTES]].reshape(groups, m[M_ROW_BYTES])
+
+  def file_rows(self) -> np.ndarray:
+    """u8[n, row bytes]: the file's blocks (unpacked, or a view of the rows)."""
+    data = self.stored()
+    return qpack.unpack_reference(self.kind, data) if self.packed else data
+
+  def qmatrix(self) -> qmatmul.QMatrix:
+    """A QMatrix of the same values (Q4_1 / Q8_0 split into codes and scales: a copy)."""
+    return qmatmul.from_gguf_blocks(self.kind, self.file_rows().copy(), self.shape)
+
+  def dequantize(self) -> np.ndarray:
+    return self.qmatrix().dequantize()
+
+  def __repr__(self) -> str:
+    return (f"PooledMatrix({self.kind}, {self.shape[0]}x{self.shape[1]}, "
+            f"{'packed' if self.packed else 'rows'})")
+
+
+class PooledRole:
+  """A role's matrices side by side (q | k | v): `parts` PooledMatrix, the role's `ids` row."""
+
+  def __init__(self, parts: list[PooledMatrix], ids: np.ndarray):
+    self.parts, self.ids = parts, ids
+    self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+    kinds = {p.kind for p in parts}
+    self.kind = parts[0].kind if len(kinds) == 1 else "mixed"
+
+  @property
+  def nbytes(self) -> int:
+    return sum(p.nbytes for p in self.parts)
+
+  def file_bytes(self) -> int:
+    return sum(p.file_bytes() for p in self.parts)
+
+  @property
+  def needs(self) -> tuple[bool, bool]:
+    """(per-32 activations, per-256 activations) this role's int8 products read."""
+    per32 = any(not p.packed or p.kind not in qpack.K_KINDS for p in self.parts)
+    return per32, any(p.packed and p.kind in qpack.K_KINDS for p in self.parts)
+
+  def dequantize(self) -> np.ndarray:
+    return np.concatenate([p.dequantize() for p in self.parts])
+
+
+def _parts(w) -> list:
+  return list(getattr(w, "parts", [w]))
+
+
+class WeightPool:
+  """Matrices (QMatrix or `qconcat.RowConcat`) copied into one buffer (module docstring).
+
+  Args:
+    roles: the matrices, one entry per role; a RowConcat's parts are kept side by side.
+    int8: integer products: pack what `qpack.packable` allows; False keeps every matrix in rows
+      (the f32 kernels read rows).
+
+  Attributes:
+    pool: u8[total] (64-byte aligned; each matrix starts on a cache line); mats: i64[M, 6];
+    roles: PooledRole per entry of `roles`.
+
+  Raises:
+    HostOpError: a role of more than MAX_PARTS parts or a kind without a host kernel.
+  """
+
+  def __init__(self, roles: list, int8: bool):
+    plan, total = [], 0
+    for w in roles:
+      parts = _parts(w)
+      if len(parts) > MAX_PARTS:
+        raise HostOpError(f"a role of {len(parts)} matrices; at most {MAX_PARTS} side by side")
+      entry = []
+      for part in parts:
+        if part.kind not in qblocks.KIND_CODES:
+          raise HostOpError(f"no host kernel for {part.kind!r} matrices")
+        packed = int8 and qpack.packable(part.kind, part.shape)
+        n, dim = part.shape
+        if packed:
+          groups, row_bytes = n // qpack.G, dim // qpack.UNIT_VALUES[part.kind] * \
+              qpack.UNIT_BYTES[part.kind]
+        else:
+          values, block = qblocks.GEOMETRY[part.kind]
+          groups, row_bytes = n, dim // values * block
+        entry.append((part, packed, total, row_bytes))
+        total += -(-groups * row_bytes // 64) * 64
+      plan.append(entry)
+    self.pool = _common.empty_aligned((max(total, 64),), np.uint8)
+    mats = []
+    self.roles = []
+    for entry in plan:
+      pooled = []
+      for part, packed, off, row_bytes in entry:
+        n, dim = part.shape
+        raw = _file_rows(part)
+        if packed:
+          size = n // qpack.G * row_bytes
+          qpack.pack(part.kind, raw, self.pool[off:off + size].reshape(n // qpack.G, row_bytes))
+          code = qpack.KIND_CODES[part.kind]
+        else:
+          size = n * row_bytes
+          self.pool[off:off + size].reshape(n, row_bytes)[...] = raw.view(np.uint8)
+          code = qblocks.KIND_CODES[part.kind]
+        mats.append([PACKED if packed else ROWS, code, off, n, dim, row_bytes])
+        pooled.append(PooledMatrix(self, len(mats) - 1, part.kind, part.shape))
+      ids = np.full(MAX_PARTS, -1, np.int64)
+      ids[:len(pooled)] = [p.index for p in pooled]
+      self.roles.append(PooledRole(pooled, ids))
+    self.mats = np.asarray(mats, np.int64).reshape(-1, 6)
+    for role in self.roles:  # `mats` was built after the first PooledMatrix objects.
+      for p in role.parts:
+        p._pool = self
+
+  @property
+  def nbytes(self) -> int:
+    return int(self.pool.nbytes)
