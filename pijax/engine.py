@@ -648,6 +648,12 @@ class Model:
     assert stream.result is not None
     return stream.result
 
+  def generate_batch(self, prompts: Sequence[Any], **kwargs) -> list[GenerationResult]:
+    """Replies to several prompts decoded together, one host pass per step for all of them
+    (`pijax.batching.generate_batch`: host weights only; each reply equals its `generate`)."""
+    from pijax import batching
+    return batching.generate_batch(self, prompts, **kwargs)
+
   def prompt_logits(self, ids: Sequence[int], *, return_active: bool = False):
     """f32[T, V] logits at every position of `ids` (one prefill, chunked like generation).
 

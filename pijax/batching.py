@@ -1,0 +1,293 @@
+"""Batched decode on the host weights: B independent sequences, one host pass per step.
+
+A CPU decode step is bound by reading the weights (BUILD_NOTES.md, issue 30), so B sequences
+decoded in one pass cost little more than one: `HostDecoder.forward_rows` runs one token of
+each live sequence, each at its own position in its own slot of one KV cache, and reads every
+weight once for all of them (llama.cpp's `llama-batched-bench`, vLLM's continuous batching).
+
+`BatchGenerator` is the slot scheduler a server drives (continuous batching): a sequence joins
+with `add` (its prompt prefilled alone in a free slot, its first token sampled), every `step`
+decodes one token of each live sequence, a sequence leaves when it stops (its slot is free for
+the next `add`) or when `cancel`led. `generate_batch` runs a fixed list of prompts to the end.
+
+Each sequence samples with its own key, parameters and recent tokens, as `Model.generate_ids`
+does for it alone; with int8 products every kernel's output depends only on its own row, so
+its tokens are those of its unbatched run (greedy: always; sampled: with the same seed).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from pijax import sampling as sampling_lib
+from pijax.errors import ConfigError, ContextError
+from pijax.generation import (STOP_EOS, STOP_LENGTH, STOP_STRING, GenerationResult,
+                              GenerationStats, TextOut, TokenStep)
+
+
+def _sample_row(logits, key, params, recent):
+  """One row as the engine's `_sample` draws it alone: (token i32[], next key)."""
+  key, sub = jax.random.split(key)
+  return sampling_lib.sample(logits[None], sub, params, recent[None])[0], key
+
+
+# One row with its own logits f32[V], key, SamplingParams (scalars) and recent i32[W]; called per
+# row: under vmap lax.cond would run the sorting branch for greedy rows too (105 ms for 8 rows
+# of SmolLM2's 49152 logits against 0.1 ms of argmax).
+_sample_one = jax.jit(_sample_row)
+
+
+@dataclasses.dataclass
+class _Sequence:
+  key: Any  # Its PRNG key (advanced once per sampled token, as in `Model.generate_ids`).
+  params: sampling_lib.SamplingParams
+  recent: collections.deque  # The last repeat_last_n tokens (prompt included).
+  max_new_tokens: int
+  stats: GenerationStats
+  ignore_eos: bool = False
+  greedy: bool = False  # Temperature 0 and no penalties: the argmax of the raw logits.
+  pos: int = 0  # Where its next input token goes.
+  token: int = -1  # Its next input token (the last sampled one).
+  produced: int = 0
+
+
+class BatchGenerator:
+  """Up to `max_batch` sequences decoded together on a model's host weights.
+
+  Args:
+    model: a `pijax.Model` on host weights (`Model.host_weights` "gguf" or "q8_0"); a dense
+      model on XLA is switched to them first (`configure_host_weights("auto")`, as the CLI
+      does by default).
+    max_batch: slots of the shared KV cache (host RAM: max_batch x `Model.max_seq_len` tokens).
+
+  Raises:
+    ConfigError: a model not on host weights, max_batch < 1.
+  """
+
+  def __init__(self, model, max_batch: int):
+    if model.backend.name == "xla" and model.sparse_mode == "off":
+      model.configure_host_weights("auto")  # What the CLI does by default (--host_weights).
+    if model.backend.name != "host":
+      raise ConfigError("batched decode runs on host weights (a quantized GGUF on a CPU "
+                        f"backend); this model runs on {model.backend.name!r}.")
+    if isinstance(max_batch, bool) or not isinstance(max_batch, (int, np.integer)) or \
+        max_batch < 1:
+      raise ConfigError(f"max_batch={max_batch!r} must be an integer >= 1.")
+    self.model = model
+    self.decoder = model.backend.decoder
+    self.max_batch = int(max_batch)
+    self.cache = self.decoder.new_cache(self.max_batch, model.max_seq_len)
+    self._free = list(range(self.max_batch - 1, -1, -1))
+    self._live: dict[int, _Sequence] = {}
+
+  @property
+  def live(self) -> list[int]:
+    """Slots of the sequences still decoding."""
+    return sorted(self._live)
+
+  @property
+  def free_slots(self) -> int:
+    return len(self._free)
+
+  def add(self, ids: Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
+          top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0,
+          presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+          repeat_last_n: int = 64, seed: int = 0, ignore_eos: bool = False
+          ) -> tuple[int, GenerationStats, list[TokenStep]]:
+    """Prefills a prompt alone in a free slot and samples its first token.
+
+    Args:
+      ids: the prompt's token ids (`Model.encode_prompt`), 1..max_seq_len of them.
+      max_new_tokens, temperature, ..., seed: as for `Model.generate_ids`.
+      ignore_eos: end-of-sequence tokens do not end it (benchmarks: fixed lengths).
+
+    Returns:
+      (slot, stats, events): stats is the sequence's GenerationStats, filled as it runs; events
+      is [TokenStep(first token)] and, when the sequence already ends, a final
+      TokenStep(-1, STOP_EOS | STOP_LENGTH) (its slot is then free again).
+
+    Raises:
+      ConfigError: no free slot, invalid sampling values. ContextError: ids that do not fit.
+    """
+    if not self._free:
+      raise ConfigError(f"all {self.max_batch} slots are decoding; wait for one to finish.")
+    model = self.model
+    from pijax import engine  # The engine's own checks, so both paths refuse the same input.
+    max_new_tokens = engine._check_int("max_new_tokens", max_new_tokens, 0)
+    repeat_last_n = engine._check_int("repeat_last_n", repeat_last_n, 1)
+    seed = engine._check_int("seed", seed, -(2 ** 63))
+    params = sampling_lib.make_sampling_params(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty)
+    ids = model.encode_prompt(list(ids))
+    stats = GenerationStats(prompt_tokens=len(ids), load_s=model.load_s,
+                            weights=model.weights_label)
+    recent = collections.deque([-1] * repeat_last_n, maxlen=repeat_last_n)
+    recent.extend(ids[-repeat_last_n:])
+    seq = _Sequence(jax.random.PRNGKey(seed & 0xFFFFFFFF), params, recent, max_new_tokens, stats,
+                    bool(ignore_eos), temperature <= 0 and repeat_penalty == 1 and
+                    presence_penalty == 0 and frequency_penalty == 0)
+    slot = self._free.pop()
+    if max_new_tokens == 0:
+      self._free.append(slot)
+      return slot, stats, [TokenStep(-1, STOP_LENGTH)]
+    t0 = time.perf_counter()
+    n = len(ids)
+    chunk = engine.PREFILL_CHUNK  # Bounds the pass's scratch (rows x intermediate_size).
+    for start in range(0, n, chunk):
+      end = min(n, start + chunk)
+      logits = self.decoder.forward_rows(self.cache, ids[start:end], np.full(end - start, slot),
+                                         np.arange(start, end), rows=[end - start - 1])
+    stats.prefill_s = time.perf_counter() - t0
+    seq.pos = n
+    self._live[slot] = seq
+    token = self._sample({slot: logits[0]})[slot]
+    return slot, stats, self._advance(slot, token)
+
+  def step(self) -> dict[int, list[TokenStep]]:
+    """Decodes one token of every live sequence in one host pass.
+
+    Returns:
+      {slot: events} for each sequence that was live: [TokenStep(token)] and, for one that
+      ends here, a final TokenStep(-1, STOP_EOS | STOP_LENGTH) (its slot is free again).
+    """
+    if not self._live:
+      return {}
+    slots = sorted(self._live)
+    seqs = [self._live[s] for s in slots]
+    t0 = time.perf_counter()
+    logits = self.decoder.forward_rows(self.cache, [q.token for q in seqs], slots,
+                                       [q.pos for q in seqs])
+    for q in seqs:
+      q.pos += 1
+    tokens = self._sample(dict(zip(slots, logits)))
+    dt = time.perf_counter() - t0
+    active = float(self.decoder.last_active.mean())
+    for q in seqs:
+      q.stats.decode_s += dt
+      q.stats.decode_steps += 1
+      q.stats.active_sum += active
+    return {s: self._advance(s, tokens[s]) for s in slots}
+
+  def cancel(self, slot: int) -> None:
+    """Ends a live sequence now (a client went away); its slot is free again."""
+    if self._live.pop(slot, None) is not None:
+      self._free.append(slot)
+
+  def _sample(self, rows: dict[int, np.ndarray]) -> dict[int, int]:
+    """Samples each slot's row with its own key, parameters and recent tokens (greedy rows by
+    NumPy's argmax: the first maximum, as jnp.argmax)."""
+    out = {}
+    for slot, logits in rows.items():
+      q = self._live[slot]
+      if q.greedy:
+        out[slot] = int(np.argmax(logits))
+        continue
+      token, q.key = _sample_one(logits, q.key, q.params, np.asarray(q.recent, np.int32))
+      out[slot] = int(token)
+    return out
+
+  def _advance(self, slot: int, token: int) -> list[TokenStep]:
+    q = self._live[slot]
+    q.produced += 1
+    q.stats.new_tokens = q.produced
+    events = [TokenStep(token)]
+    reason = None
+    if token in self.model.tokenizer.stop_ids and not q.ignore_eos:
+      reason = STOP_EOS
+    elif q.produced >= q.max_new_tokens or q.pos >= self.model.max_seq_len:
+      reason = STOP_LENGTH
+    if reason is not None:
+      events.append(TokenStep(-1, reason))
+      del self._live[slot]
+      self._free.append(slot)
+    else:
+      q.token = token
+      q.recent.append(token)
+    return events
+
+
+def generate_batch(model, prompts: Sequence[str | Sequence[int]], *, max_batch: int | None = None,
+                   chat: bool = False, stop: str | Sequence[str] | None = None,
+                   seed: int | Sequence[int] = 0, **sampling) -> list[GenerationResult]:
+  """Generates a reply to each prompt, up to `max_batch` (default: all) decoded together.
+
+  Args:
+    model: as for `BatchGenerator`.
+    prompts: each text, token ids, or with `chat` a list of messages (`Model.stream`).
+    stop: stop strings for every prompt (the text ends before the earliest; stop_reason "stop").
+    seed: one seed for all, or one per prompt.
+    sampling: max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
+      presence_penalty, frequency_penalty, repeat_last_n (as for `Model.generate_ids`).
+
+  Returns:
+    GenerationResult per prompt, in order; each one's tokens are those of
+    `model.generate(prompt, ...)` alone (module docstring). Its stats' decode_s is the wall time
+    of the batched steps it took part in.
+
+  Raises:
+    ConfigError, ContextError: as `BatchGenerator.add` (checked for every prompt first).
+  """
+  prompts = list(prompts)
+  if not prompts:
+    return []
+  seeds = [seed] * len(prompts) if isinstance(seed, (int, np.integer)) else list(seed)
+  if len(seeds) != len(prompts):
+    raise ConfigError(f"seed: one for all or one per prompt ({len(prompts)}), got {len(seeds)}.")
+  stop = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+  if not all(isinstance(s, str) for s in stop):
+    raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}.")
+  ids = [model.encode_prompt(p, chat=chat) for p in prompts]
+  for p in ids:
+    if len(p) > model.max_seq_len:
+      raise ContextError(f"a prompt of {len(p)} tokens does not fit max_seq_len "
+                         f"{model.max_seq_len}.")
+  gen = BatchGenerator(model, max_batch or len(prompts))
+  outs = [TextOut(model.tokenizer, stop) for _ in prompts]
+  texts: list[list[str]] = [[] for _ in prompts]
+  tokens: list[list[int]] = [[] for _ in prompts]
+  reasons: list[str | None] = [None] * len(prompts)
+  stats: list[GenerationStats | None] = [None] * len(prompts)
+  owner: dict[int, int] = {}  # slot -> prompt index
+
+  def take(i: int, events: list[TokenStep]) -> None:
+    for ev in events:
+      if reasons[i] is not None:
+        return
+      if ev.stop_reason is not None:
+        reasons[i] = ev.stop_reason
+        return
+      tokens[i].append(ev.token_id)
+      texts[i].append(outs[i].push(ev.token_id))
+      if outs[i].stopped:
+        reasons[i] = STOP_STRING
+
+  waiting = list(range(len(prompts)))
+  while waiting or gen.live:
+    while waiting and gen.free_slots:
+      i = waiting.pop(0)
+      slot, stats[i], events = gen.add(ids[i], seed=seeds[i], **sampling)
+      owner[slot] = i
+      take(i, events)
+      if reasons[i] is not None:
+        gen.cancel(slot)  # Ended by its first token (a no-op when the generator ended it).
+    for slot, events in gen.step().items():
+      i = owner[slot]
+      take(i, events)
+      if reasons[i] is not None:
+        gen.cancel(slot)  # A stop string ended it.
+  results = []
+  for i in range(len(prompts)):
+    tail = outs[i].finish()
+    results.append(GenerationResult(
+        text="".join(texts[i]) + tail, token_ids=tokens[i], stop_reason=reasons[i] or STOP_LENGTH,
+        stats=stats[i] or GenerationStats(prompt_tokens=len(ids[i]))))
+  return results

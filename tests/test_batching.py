@@ -1,0 +1,113 @@
+"""Batched decode (`pijax.batching`): each sequence's tokens equal its run alone."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pijax
+from pijax import batching
+from pijax.errors import ConfigError, ContextError
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):",
+           "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+           "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_path):
+  model = pijax.load(smollm2_path, max_seq_len=256)
+  assert model.configure_host_weights("auto") == "gguf"
+  return model
+
+
+@pytest.mark.parametrize("dot", ["int8", "f32"])
+def test_generate_batch_equals_separate_runs(model, dot):
+  """Greedy, mixed prompt lengths (5-18 tokens), different max_new_tokens so sequences finish
+  early, two slots for four prompts (the later ones join as slots free up): every reply's
+  tokens and text equal `generate` of that prompt alone, int8 and f32 products."""
+  dec = model.backend.decoder
+  dec.dot = dot
+  try:
+    lengths = [12, 5, 20, 9]
+    got = []
+    for p, n in zip(PROMPTS, lengths):  # One generation per prompt, with its own length.
+      got.append(model.generate_batch([p], max_new_tokens=n)[0])
+    both = model.generate_batch(PROMPTS, max_new_tokens=20, max_batch=2)
+    for p, n, alone_b, batched in zip(PROMPTS, lengths, got, both):
+      solo = model.generate(p, max_new_tokens=n)
+      assert alone_b.token_ids == solo.token_ids and alone_b.text == solo.text
+      solo20 = model.generate(p, max_new_tokens=20)
+      assert batched.token_ids == solo20.token_ids, p
+      assert batched.text == solo20.text and batched.stop_reason == solo20.stop_reason
+      assert batched.stats.prompt_tokens == len(model.encode_prompt(p))
+  finally:
+    dec.dot = "int8"
+
+
+def test_generator_sampled_rows_and_early_stops(model):
+  """Sampled rows (temperature, top_p, repeat_penalty; one seed each) beside greedy ones in one
+  generator: each equals its solo run with that seed. An end-of-turn token ends a chat reply
+  early (stop_reason eos) while the others go on; its slot serves a later prompt."""
+  gen = batching.BatchGenerator(model, 3)
+  kw = [dict(temperature=0.8, top_p=0.9, seed=1, repeat_penalty=1.1), dict(seed=0),
+        dict(temperature=1.2, top_k=40, seed=7)]
+  ids = [model.encode_prompt(p) for p in PROMPTS[:3]]
+  chat = model.encode_prompt("Say hi.", chat=True)
+  owner, done = {}, {}  # slot -> prompt index; prompt index -> its events
+  for i, (p, k) in enumerate(zip(ids, kw)):
+    slot, _, events = gen.add(p, max_new_tokens=24 if i != 1 else 6, **k)
+    owner[slot], done[i] = i, list(events)
+  with pytest.raises(ConfigError, match="slots"):
+    gen.add(ids[0])
+  chat_slot = None
+  while gen.live:
+    for slot, events in gen.step().items():
+      done[owner[slot]].extend(events)
+      if events[-1].stop_reason is not None and chat_slot is None:
+        chat_slot, _, events = gen.add(chat, max_new_tokens=48)  # The freed slot, reused.
+        assert chat_slot == slot
+        owner[chat_slot], done[3] = 3, list(events)
+  for i in range(3):
+    solo = list(model.generate_ids(ids[i], max_new_tokens=24 if i != 1 else 6, **kw[i]))
+    assert [e.token_id for e in done[i]] == [e.token_id for e in solo]
+    assert done[i][-1].stop_reason == solo[-1].stop_reason
+  solo = list(model.generate_ids(chat, max_new_tokens=48))
+  assert [e.token_id for e in done[3]] == [e.token_id for e in solo]
+  assert done[3][-1].stop_reason == "eos"  # The chat reply ends with its end-of-turn token.
+  assert chat_slot in range(3) and gen.free_slots == 3
+
+
+def test_batch_errors(model, tmp_path):
+  gen = batching.BatchGenerator(model, 1)
+  with pytest.raises(ConfigError, match="max_batch"):
+    batching.BatchGenerator(model, 0)
+  with pytest.raises(ConfigError, match="temperature"):
+    gen.add([1, 2], temperature=-1)
+  with pytest.raises(ContextError):
+    gen.add([1] * 300)
+  assert gen.free_slots == 1  # Refused input takes no slot.
+  slot, _, _ = gen.add([1, 2, 3], max_new_tokens=50)
+  gen.cancel(slot)
+  assert gen.live == [] and gen.free_slots == 1 and gen.step() == {}
+  with pytest.raises(ConfigError, match="seed"):
+    model.generate_batch(PROMPTS[:2], seed=[1, 2, 3])
+  assert model.generate_batch([]) == []
+
+
+def test_bench_parallel_rows(smollm2_path):
+  """`pijax.bench --parallel`: one JSON row per batch size with n_parallel; a bad list is one
+  line and exit 2."""
+  import json
+  cmd = [sys.executable, "-m", "pijax.bench", "-m", smollm2_path, "-p", "8", "-n", "4", "-r",
+         "1", "-o", "json", "--parallel", "1,2"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = json.loads(proc.stdout)
+  assert [r["n_parallel"] for r in rows] == [1, 2]
+  assert all(r["t_s_mean"] > 0 and r["test"] == "pp8+tg4" for r in rows)
+  assert rows[0]["vs_parallel_1"] == 1.0
+  bad = subprocess.run(cmd[:-1] + ["1,x"], capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 2 and "--parallel" in bad.stderr
+  assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
