@@ -50,10 +50,10 @@ HOST_WEIGHTS = flags.DEFINE_enum(
     "q8_0: everything int8). auto: gguf on a CPU backend for Q4_1/Q8_0 files, else off (f32 XLA).")
 
 HOST_DOT = flags.DEFINE_enum(
-    "host_dot", None, ["int8", "f32"], "Host weights: decode matmuls (passes of at most 8 "
-    "tokens) on activations quantized to 8 bits per block of 32 with integer dot products "
-    "(int8, the default; llama.cpp's arithmetic), or on f32 activations (f32: the f32 path's "
-    "values, slower). Prefill passes use f32 activations either way.")
+    "host_dot", None, ["int8", "f32"], "Host weights: every matmul (prefill, decode, batched "
+    "decode) on activations quantized to 8 bits per block (256 values for K-quants, 32 else) "
+    "with integer dot products (int8, the default; llama.cpp's arithmetic), or on f32 "
+    "activations (f32: the f32 path's values up to summation order, slower).")
 
 
 GATE_SPARSE = flags.DEFINE_bool(

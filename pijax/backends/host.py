@@ -448,9 +448,9 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
       file's blocks transposed, exact: 0.5 bytes/weight per active neuron plus 0.125), "q8_0"
       (1.0625) or "q4_1" (0.625, a second 4-bit rounding); None: file where the down
       projections are Q4_1, else q8_0.
-    dot: "int8" (decode matmuls quantize activations per block of 32 and sum integer products,
-      llama.cpp's arithmetic; the default) or "f32" (exact f32 activations; slower). Passes
-      of more than 8 tokens (prefill) use f32 activations either way.
+    dot: "int8" (every matmul, prefill included, quantizes activations per block and sums
+      integer products, llama.cpp's arithmetic; the default) or "f32" (exact f32 activations;
+      slower).
 
   Returns:
     A HostBackend, or the dense XlaBackend when the choice is "off".

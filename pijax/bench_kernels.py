@@ -1,0 +1,117 @@
+"""`python -m pijax.bench_kernels`: G weights/s of the packed integer matmul per block kind.
+
+  python -m pijax.bench_kernels -t 2 --rows 1,8,128
+
+For every kind with a packed layout (`host_ops.qpack`: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+Q6_K) one LLaMA-7B up-projection-shaped matrix [11008, 4096] of random blocks is timed against
+b activation rows: b = 1 is decode (every weight read once per token: the copies are cycled
+through `--cold_mb` of memory so they come from DRAM), b = 8 batched decode, b = 128 prefill
+(both from cache: arithmetic bound). Each row: weights x b / s in 10^9 (G weights/s), and for
+b = 1 the file bytes read per second (GB/s) beside `bench_ops.read_bandwidth`'s pass over the
+same memory. Activation quantization is included (it runs once per matmul).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+from pijax.errors import ConfigError
+
+SHAPE = (11008, 4096)
+
+
+def kernel_rate(kind: str, rows: int, threads: int, cold_bytes: float, seconds: float,
+                seed: int = 0) -> dict:
+  """{"kind", "rows", "g_weights_s", "gb_s"} of `qpack.matmul` on `kind` blocks: mean over
+  `seconds` of calls (b = 1 cycles through copies filling cold_bytes, so weights come from
+  DRAM; else one copy). gb_s: file bytes of the matrix per second."""
+  from host_ops import _common
+  from host_ops import qblocks
+  from host_ops import qpack
+  _common.set_host_threads(threads)
+  _common.ensure_host_threads()
+  rng = np.random.default_rng(seed)
+  n, d = SHAPE
+  per, nbytes = qblocks.GEOMETRY[kind]
+  raw = rng.integers(0, 256, (n, d // per * nbytes), dtype=np.uint8)
+  # Scales as small finite f16 values (random bytes could be inf/NaN).
+  raw_blocks = raw.reshape(n, d // per, nbytes)
+  scale_at = {"q4_k": (0, 4), "q5_k": (0, 4), "q6_k": (nbytes - 2, nbytes)}.get(kind, (0, 2))
+  halves = rng.uniform(1e-3, 1e-2, raw_blocks.shape[:2] + ((scale_at[1] - scale_at[0]) // 2,))
+  raw_blocks[:, :, scale_at[0]:scale_at[1]] = halves.astype(np.float16).view(np.uint8).reshape(
+      raw_blocks.shape[:2] + (-1,))
+  if kind in ("q4_1", "q5_1"):  # The m (offset) half beside d.
+    raw_blocks[:, :, 2:4] = halves[..., :1].astype(np.float16).view(np.uint8).reshape(
+        raw_blocks.shape[:2] + (-1,))
+  first = qpack.pack(kind, raw)
+  copies = [first]
+  if rows == 1:
+    copies += [first.copy() for _ in range(max(0, int(cold_bytes // first.nbytes)))]
+  x = rng.standard_normal((rows, d)).astype(np.float32)
+  out = np.empty((rows, n), np.float32)
+  qpack.matmul(kind, first, x, out)  # Compile / load the kernels.
+  calls, t0 = 0, time.perf_counter()
+  while True:
+    qpack.matmul(kind, copies[calls % len(copies)], x, out)
+    calls += 1
+    elapsed = time.perf_counter() - t0
+    if elapsed >= seconds and calls >= len(copies):
+      break
+  per_call = elapsed / calls
+  return {"kind": kind, "rows": rows, "g_weights_s": n * d * rows / per_call / 1e9,
+          "gb_s": raw.nbytes / per_call / 1e9}
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  from absl import flags
+  from host_ops import qpack
+  from pijax import bench_ops
+  f = flags.FLAGS
+  try:
+    rows = [int(r) for r in f.rows]
+  except ValueError:
+    rows = []
+  if not rows or min(rows) < 1:
+    raise ConfigError(f"--rows={','.join(f.rows)} must be row counts >= 1, e.g. 1,8,128.")
+  kinds = f.kinds or list(qpack.KINDS)
+  bad = [k for k in kinds if k not in qpack.KINDS]
+  if bad:
+    raise ConfigError(f"--kinds: {', '.join(bad)} have no packed kernel; choose from "
+                      f"{', '.join(qpack.KINDS)}.")
+  if f.threads < 1 or f.seconds <= 0:
+    raise ConfigError("-t must be >= 1 and --seconds > 0.")
+  cold = f.cold_mb * 1e6
+  bandwidth = bench_ops.read_bandwidth(cold, f.threads)
+  table = [kernel_rate(k, r, f.threads, cold, f.seconds) for k in kinds for r in rows]
+  if f.output == "json":
+    sys.stdout.write(json.dumps({"threads": f.threads, "read_gb_s": bandwidth, "shape": SHAPE,
+                                 "rows": table}, indent=1) + "\n")
+    return
+  lines = [f"threads {f.threads}, [{SHAPE[0]}, {SHAPE[1]}] per kind, read bandwidth "
+           f"{bandwidth:.1f} GB/s (bench_ops pass over {f.cold_mb:.0f} MB)", "",
+           "| kind | " + " | ".join(f"b={r} G weights/s" for r in rows) + " | b=1 GB/s |",
+           "| --- |" + " ---: |" * (len(rows) + 1)]
+  for k in kinds:
+    mine = [t for t in table if t["kind"] == k]
+    one = [t["gb_s"] for t in mine if t["rows"] == 1]
+    tail = f" | {one[0]:.1f} ({100 * one[0] / bandwidth:.0f}%) |" if one else " | - |"
+    lines.append(f"| {k} | " + " | ".join(f"{t['g_weights_s']:.1f}" for t in mine) + tail)
+  sys.stdout.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+  from absl import flags as absl_flags
+  from pijax import cli
+  absl_flags.DEFINE_list("rows", ["1", "8", "128"], "Activation rows per matmul.")
+  absl_flags.DEFINE_list("kinds", [], "Block kinds (default: every packed kind).")
+  absl_flags.DEFINE_integer("threads", 2, "Host threads.", short_name="t")
+  absl_flags.DEFINE_float("seconds", 1.0, "Time per row of the table.")
+  absl_flags.DEFINE_float("cold_mb", 2000.0, "Memory the b=1 copies fill (MB), beyond the "
+                          "caches.")
+  absl_flags.DEFINE_string("output", "md", "md or json.", short_name="o")
+  cli.run(main, "pijax.bench_kernels")
