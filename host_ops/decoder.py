@@ -416,7 +416,12 @@ class HostDecoder:
     n_layers = self.n_layers
     int8 = self.dot == qmatmul.DOT_INT8
     roles = [getattr(layer, name) for layer in self.layers for name in ROLES]
-    self.pool = pool_lib.WeightPool(roles, int8)
+
+    def copied(i: int) -> None:  # The source matrix is dropped as soon as it is in the pool.
+      roles[i] = None
+      setattr(self.layers[i // len(ROLES)], ROLES[i % len(ROLES)], None)
+
+    self.pool = pool_lib.WeightPool(roles, int8, copied)
     self._roles = np.stack([r.ids for r in self.pool.roles]).reshape(
         n_layers, len(ROLES), pool_lib.MAX_PARTS)
     needs = np.zeros((n_layers, len(ROLES), 2), np.int64)

@@ -223,6 +223,8 @@ class WeightPool:
     roles: the matrices, one entry per role; a RowConcat's parts are kept side by side.
     int8: integer products: pack what `qpack.packable` allows; False keeps every matrix in rows
       (the f32 kernels read rows).
+    on_copied: called with i once roles[i] is copied, for the caller to drop its references
+      (the peak is then the pool plus one role's source, not the pool plus every source).
 
   Attributes:
     pool: u8[total] (64-byte aligned; each matrix starts on a cache line); mats: i64[M, 6];
@@ -232,7 +234,7 @@ class WeightPool:
     HostOpError: a role of more than MAX_PARTS parts or a kind without a host kernel.
   """
 
-  def __init__(self, roles: list, int8: bool):
+  def __init__(self, roles: list, int8: bool, on_copied=None):
     plan, total = [], 0
     for w in roles:
       parts = _parts(w)
@@ -256,7 +258,8 @@ class WeightPool:
     self.pool = _common.empty_aligned((max(total, 64),), np.uint8)
     mats = []
     self.roles = []
-    for entry in plan:
+    for i in range(len(plan)):
+      entry, plan[i] = plan[i], None  # Its sources go once copied (on_copied drops the rest).
       pooled = []
       for part, packed, off, row_bytes in entry:
         n, dim = part.shape
@@ -269,11 +272,17 @@ class WeightPool:
           size = n * row_bytes
           self.pool[off:off + size].reshape(n, row_bytes)[...] = raw.view(np.uint8)
           code = qblocks.KIND_CODES[part.kind]
+        release = getattr(part, "release_source", None)
+        if release is not None:  # A view of a memory map: its pages may go now.
+          release()
         mats.append([PACKED if packed else ROWS, code, off, n, dim, row_bytes])
         pooled.append(PooledMatrix(self, len(mats) - 1, part.kind, part.shape))
       ids = np.full(MAX_PARTS, -1, np.int64)
       ids[:len(pooled)] = [p.index for p in pooled]
       self.roles.append(PooledRole(pooled, ids))
+      entry = part = raw = None
+      if on_copied is not None:
+        on_copied(i)
     self.mats = np.asarray(mats, np.int64).reshape(-1, 6)
     for role in self.roles:  # `mats` was built after the first PooledMatrix objects.
       for p in role.parts:

@@ -531,7 +531,8 @@ def from_gguf_blocks(kind: str, data: np.ndarray, shape: tuple[int, int],
       a memory map); q4_1/q8_0 are split into codes and f16 scales (copies of the bytes).
     shape: (n, D) in NumPy order ([out, in]).
     copied: for q4_1/q8_0, called with (lo, hi) after rows [lo, hi) are copied (~16 MB at a
-      time), e.g. to drop those rows' pages of the memory map.
+      time), e.g. to drop those rows' pages of the memory map; for the raw kinds set as the
+      QMatrix's `release_source()` (copied (0, n)), for the code that copies the view out.
 
   Raises:
     HostOpError: an unknown kind, a size that does not match the format, D not a multiple of
@@ -553,7 +554,10 @@ def from_gguf_blocks(kind: str, data: np.ndarray, shape: tuple[int, int],
     raise HostOpError(f"{kind} tensor of shape {shape} has {raw.size} bytes, expected "
                       f"{n * nb * nbytes}")
   if kind in RAW_KINDS:
-    return QMatrix(kind, (raw.reshape(n, nb * nbytes),))
+    m = QMatrix(kind, (raw.reshape(n, nb * nbytes),))
+    if copied is not None:  # Whoever copies the view out (`host_ops.pool`) calls it.
+      m.release_source = lambda: copied(0, n)
+    return m
   blocks = raw.reshape(n, nb, nbytes)
   d = np.empty((n, nb), np.uint16)
   if kind == Q4_1:
