@@ -263,3 +263,23 @@ def test_cli_matvec_table():
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "| smollm2-135m | gate | 1536 x 576 | q4_1 | f32 |" in proc.stdout
   assert "| smollm2-135m | 1536 x 576 | q4_1 | f32 | " in proc.stdout
+
+
+def test_bench_kernels_rows_and_bad_flags():
+  """`pijax.bench_kernels`: one JSON row per (kind, rows) with positive rates; bad flags are one
+  line and exit 2 (no speed asserted)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  run = lambda *a: subprocess.run([sys.executable, "-m", "pijax.bench_kernels", *a], cwd=ROOT,
+                                  env=env, capture_output=True, text=True, timeout=600)
+  proc = run("--kinds", "q4_0,q6_k", "--rows", "1,9", "--cold_mb", "0", "--seconds", "0.05",
+             "-o", "json")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  doc = json.loads(proc.stdout)
+  assert [(r["kind"], r["rows"]) for r in doc["rows"]] == [("q4_0", 1), ("q4_0", 9),
+                                                           ("q6_k", 1), ("q6_k", 9)]
+  assert all(r["g_weights_s"] > 0 and r["gb_s"] > 0 for r in doc["rows"])
+  for bad, name in ((["--rows", "0"], "--rows"), (["--kinds", "q8_0"], "--kinds"),
+                    (["--cold_mb", "-1"], "--cold_mb")):
+    proc = run(*bad)
+    assert proc.returncode == 2 and name in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
