@@ -13,6 +13,11 @@ the next `add`) or when `cancel`led. `generate_batch` runs a fixed list of promp
 Each sequence samples with its own key, parameters and recent tokens, as `Model.generate_ids`
 does for it alone; with int8 products every kernel's output depends only on its own row, so
 its tokens are those of its unbatched run (greedy: always; sampled: with the same seed).
+A sequence may also carry `logit_bias` / `response_format` (its own `pijax.grammar.Constraint`,
+whose bias row is added to its logits before sampling, as the engine does) and ask for
+log-probabilities. A free slot keeps the keys and values of its last sequence: `add` picks the
+free slot whose cached tokens share the longest prefix with the prompt (the previous turn of a
+conversation) and prefills only the rest (`Session`'s prefix reuse; llama-server's slots).
 """
 
 from __future__ import annotations
@@ -32,10 +37,19 @@ from pijax.generation import (STOP_EOS, STOP_LENGTH, STOP_STRING, GenerationResu
                               GenerationStats, TextOut, TokenStep)
 
 
-def _sample_row(logits, key, params, recent):
-  """One row as the engine's `_sample` draws it alone: (token i32[], next key)."""
+def _sample_row(logits, key, params, recent, bias=None):
+  """One row as the engine's `_sample` draws it alone: (token i32[], next key); bias: None or
+  f32[V] added after the penalties (`sampling.sample`)."""
   key, sub = jax.random.split(key)
-  return sampling_lib.sample(logits[None], sub, params, recent[None])[0], key
+  bias = None if bias is None else bias[None]
+  return sampling_lib.sample(logits[None], sub, params, recent[None], bias)[0], key
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+  """f32[V] log-probabilities of one row of raw logits f32[V] (what `TokenStep.logprobs` holds)."""
+  x = np.asarray(logits, np.float32)
+  m = x.max()
+  return x - (m + np.log(np.exp(x - m).sum(dtype=np.float32)))
 
 
 # One row with its own logits f32[V], key, SamplingParams (scalars) and recent i32[W]; called per
@@ -56,6 +70,9 @@ class _Sequence:
   pos: int = 0  # Where its next input token goes.
   token: int = -1  # Its next input token (the last sampled one).
   produced: int = 0
+  constraint: Any = None  # Its `pijax.grammar.Constraint` (logit_bias, response_format) or None.
+  logprobs: bool = False  # Each TokenStep carries f32[V] log-probabilities of the raw logits.
+  fed: list = dataclasses.field(default_factory=list)  # Tokens whose keys/values its slot holds.
 
 
 class BatchGenerator:
@@ -84,8 +101,14 @@ class BatchGenerator:
     self.decoder = model.backend.decoder
     self.max_batch = int(max_batch)
     self.cache = self.decoder.new_cache(self.max_batch, model.max_seq_len)
-    self._free = list(range(self.max_batch - 1, -1, -1))
+    self._free = list(range(self.max_batch))
     self._live: dict[int, _Sequence] = {}
+    # Per slot: the tokens whose keys/values it holds (kept while free, for prefix reuse), and
+    # when it was last freed (a prompt that reuses nothing takes the least recently used slot).
+    self._cached: list[list[int]] = [[] for _ in range(self.max_batch)]
+    self._freed_at = [0] * self.max_batch
+    self._clock = 0
+    self.last_reused = 0  # Prompt tokens the latest `add` took from its slot's cache.
 
   @property
   def live(self) -> list[int]:
@@ -99,14 +122,20 @@ class BatchGenerator:
   def add(self, ids: Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
           top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0,
           presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-          repeat_last_n: int = 64, seed: int = 0, ignore_eos: bool = False
-          ) -> tuple[int, GenerationStats, list[TokenStep]]:
+          repeat_last_n: int = 64, seed: int = 0, ignore_eos: bool = False,
+          logprobs: bool = False, logit_bias: dict[int, float] | None = None,
+          response_format: Any = None) -> tuple[int, GenerationStats, list[TokenStep]]:
     """Prefills a prompt alone in a free slot and samples its first token.
+
+    The slot is the free one whose cached tokens share the longest prefix with `ids` (only the
+    rest is prefilled; `last_reused` says how many were reused), else the least recently used.
 
     Args:
       ids: the prompt's token ids (`Model.encode_prompt`), 1..max_seq_len of them.
       max_new_tokens, temperature, ..., seed: as for `Model.generate_ids`.
       ignore_eos: end-of-sequence tokens do not end it (benchmarks: fixed lengths).
+      logprobs, logit_bias, response_format: as for `Model.generate_ids` (each TokenStep then
+        carries f32[vocab] log-probabilities; the bias / grammar is this sequence's own).
 
     Returns:
       (slot, stats, events): stats is the sequence's GenerationStats, filled as it runs; events
@@ -114,7 +143,8 @@ class BatchGenerator:
       TokenStep(-1, STOP_EOS | STOP_LENGTH) (its slot is then free again).
 
     Raises:
-      ConfigError: no free slot, invalid sampling values. ContextError: ids that do not fit.
+      ConfigError: no free slot, invalid sampling values or logit_bias. GrammarError: a
+        response_format that does not compile. ContextError: ids that do not fit.
     """
     if not self._free:
       raise ConfigError(f"all {self.max_batch} slots are decoding; wait for one to finish.")
@@ -128,29 +158,45 @@ class BatchGenerator:
         repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty)
     ids = model.encode_prompt(list(ids))
+    constraint = None
+    if logit_bias or response_format is not None:
+      from pijax import grammar as grammar_lib
+      constraint = grammar_lib.make_constraint(
+          model.tokenizer, model.config.vocab_size, response_format=response_format,
+          logit_bias=logit_bias)
     stats = GenerationStats(prompt_tokens=len(ids), load_s=model.load_s,
                             weights=model.weights_label)
     recent = collections.deque([-1] * repeat_last_n, maxlen=repeat_last_n)
     recent.extend(ids[-repeat_last_n:])
     seq = _Sequence(jax.random.PRNGKey(seed & 0xFFFFFFFF), params, recent, max_new_tokens, stats,
                     bool(ignore_eos), temperature <= 0 and repeat_penalty == 1 and
-                    presence_penalty == 0 and frequency_penalty == 0)
-    slot = self._free.pop()
+                    presence_penalty == 0 and frequency_penalty == 0,
+                    constraint=constraint, logprobs=bool(logprobs))
+    slot, reused = self._pick_slot(ids)
     if max_new_tokens == 0:
-      self._free.append(slot)
+      self.last_reused = 0
       return slot, stats, [TokenStep(-1, STOP_LENGTH)]
+    self._free.remove(slot)
+    self.last_reused = reused
+    self._cached[slot] = []  # Unknown until the sequence ends (a failed pass leaves garbage).
+    seq.fed = list(ids)
     t0 = time.perf_counter()
     n = len(ids)
     chunk = engine.PREFILL_CHUNK  # Bounds the pass's scratch (rows x intermediate_size).
-    for start in range(0, n, chunk):
-      end = min(n, start + chunk)
-      logits = self.decoder.forward_rows(self.cache, ids[start:end], np.full(end - start, slot),
-                                         np.arange(start, end), rows=[end - start - 1])
+    try:
+      for start in range(reused, n, chunk):
+        end = min(n, start + chunk)
+        logits = self.decoder.forward_rows(self.cache, ids[start:end],
+                                           np.full(end - start, slot), np.arange(start, end),
+                                           rows=[end - start - 1])
+    except BaseException:  # The slot is free again, its cache unknown (nothing to reuse).
+      self._free.append(slot)
+      raise
     stats.prefill_s = time.perf_counter() - t0
     seq.pos = n
     self._live[slot] = seq
-    token = self._sample({slot: logits[0]})[slot]
-    return slot, stats, self._advance(slot, token)
+    token, lp = self._sample({slot: logits[0]})[slot]
+    return slot, stats, self._advance(slot, token, lp)
 
   def step(self) -> dict[int, list[TokenStep]]:
     """Decodes one token of every live sequence in one host pass.
@@ -166,7 +212,8 @@ class BatchGenerator:
     t0 = time.perf_counter()
     logits = self.decoder.forward_rows(self.cache, [q.token for q in seqs], slots,
                                        [q.pos for q in seqs])
-    for q in seqs:
+    for q in seqs:  # The pass wrote each input token's keys/values at its position.
+      q.fed.append(q.token)
       q.pos += 1
     tokens = self._sample(dict(zip(slots, logits)))
     dt = time.perf_counter() - t0
@@ -175,31 +222,55 @@ class BatchGenerator:
       q.stats.decode_s += dt
       q.stats.decode_steps += 1
       q.stats.active_sum += active
-    return {s: self._advance(s, tokens[s]) for s in slots}
+    return {s: self._advance(s, *tokens[s]) for s in slots}
 
   def cancel(self, slot: int) -> None:
     """Ends a live sequence now (a client went away); its slot is free again."""
-    if self._live.pop(slot, None) is not None:
-      self._free.append(slot)
+    q = self._live.pop(slot, None)
+    if q is not None:
+      self._release(slot, q)
 
-  def _sample(self, rows: dict[int, np.ndarray]) -> dict[int, int]:
-    """Samples each slot's row with its own key, parameters and recent tokens (greedy rows by
-    NumPy's argmax: the first maximum, as jnp.argmax)."""
+  def _release(self, slot: int, q: _Sequence) -> None:
+    """Frees a slot, keeping the tokens whose keys/values it holds for a later prompt."""
+    self._cached[slot] = q.fed
+    self._clock += 1
+    self._freed_at[slot] = self._clock
+    self._free.append(slot)
+
+  def _pick_slot(self, ids: list[int]) -> tuple[int, int]:
+    """(slot, reused): the free slot holding the longest prefix of ids (at most len(ids) - 1:
+    the last prompt token is always run, its logits give the first token), ties and no reuse
+    going to the least recently freed one."""
+    def reusable(slot: int) -> int:
+      cached, n, i = self._cached[slot], min(len(self._cached[slot]), len(ids) - 1), 0
+      while i < n and cached[i] == ids[i]:
+        i += 1
+      return i
+    best = max(self._free, key=lambda s: (reusable(s), -self._freed_at[s], -s))
+    return best, reusable(best)
+
+  def _sample(self, rows: dict[int, np.ndarray]) -> dict[int, tuple]:
+    """{slot: (token, f32[V] log-probabilities or None)}: each slot's row sampled with its own
+    key, parameters, recent tokens and bias (greedy rows by NumPy's argmax: the first maximum,
+    as jnp.argmax)."""
     out = {}
     for slot, logits in rows.items():
       q = self._live[slot]
+      lp = log_softmax(logits) if q.logprobs else None
+      # f32[V] or None: its logit_bias and the grammar's -inf on forbidden tokens.
+      bias = None if q.constraint is None else np.asarray(q.constraint.bias(), np.float32)
       if q.greedy:
-        out[slot] = int(np.argmax(logits))
+        out[slot] = (int(np.argmax(logits if bias is None else logits + bias)), lp)
         continue
-      token, q.key = _sample_one(logits, q.key, q.params, np.asarray(q.recent, np.int32))
-      out[slot] = int(token)
+      token, q.key = _sample_one(logits, q.key, q.params, np.asarray(q.recent, np.int32), bias)
+      out[slot] = (int(token), lp)
     return out
 
-  def _advance(self, slot: int, token: int) -> list[TokenStep]:
+  def _advance(self, slot: int, token: int, lp: np.ndarray | None = None) -> list[TokenStep]:
     q = self._live[slot]
     q.produced += 1
     q.stats.new_tokens = q.produced
-    events = [TokenStep(token)]
+    events = [TokenStep(token, None, lp)]
     reason = None
     if token in self.model.tokenizer.stop_ids and not q.ignore_eos:
       reason = STOP_EOS
@@ -208,10 +279,12 @@ class BatchGenerator:
     if reason is not None:
       events.append(TokenStep(-1, reason))
       del self._live[slot]
-      self._free.append(slot)
+      self._release(slot, q)
     else:
       q.token = token
       q.recent.append(token)
+      if q.constraint is not None:  # The grammar moves past the token before the next mask.
+        q.constraint.advance(token)
     return events
 
 

@@ -1,7 +1,8 @@
 """`python -m pijax.serve --model=default --host 127.0.0.1 --port 8080`: an OpenAI-compatible server.
 
 Serves `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics` and a chat
-page at `/` (see `pijax.server.app`). The port opens at once; the model loads and compiles in
+page at `/` (see `pijax.server.app`), up to `--parallel` requests decoded together (continuous
+batching, `pijax.server.worker`). The port opens at once; the model loads and compiles in
 the background while `/health` answers 503, then 200. Takes the sparse / placement / host
 flags of `pijax.generate`. Needs the `server` extra (`pip install -e '.[server]'`).
 Bad flags, a port in use or a model that fails to load: one line on stderr, exit status 2.
@@ -46,10 +47,15 @@ _MODEL_ALIAS = flags.DEFINE_string("model_alias", None, "Model id clients send (
 _MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", 2048, "KV cache length (tokens) of each "
                                     "conversation: prompt + reply must fit.")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "float32 (CPU) or bfloat16 (GPU).")
-_MAX_QUEUE = flags.DEFINE_integer("max_queue", 16, "Requests that may wait for the worker; "
-                                  "more get 503.")
+_MAX_QUEUE = flags.DEFINE_integer("max_queue", 16, "Requests that may wait for a free slot "
+                                  "(--parallel); more get 503.")
 _CACHE_SLOTS = flags.DEFINE_integer("cache_slots", 2, "Conversations whose KV cache is kept "
-                                    "for prefix reuse (each max_seq_len tokens).")
+                                    "for prefix reuse (each max_seq_len tokens) when requests "
+                                    "run one at a time (models off host weights); the "
+                                    "--parallel slots keep their own.")
+_PARALLEL = flags.DEFINE_integer("parallel", 8, "Requests decoded together (continuous "
+                                 "batching, llama-server's -np); each holds a KV cache of "
+                                 "max_seq_len tokens. Models off host weights: one at a time.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "Reply tokens at most for a "
                                    "request that names no max_tokens (llama.cpp's -n); "
                                    "default: up to the context's end.", lower_bound=1)
@@ -121,7 +127,7 @@ def main(argv: list[str]) -> None:
                       "pip install -e '.[server]'.") from None
   from pijax.errors import ConfigError
   cli.check_max_seq_len(_MAX_SEQ_LEN.value)
-  for flag in (_MAX_QUEUE, _CACHE_SLOTS):
+  for flag in (_MAX_QUEUE, _CACHE_SLOTS, _PARALLEL):
     if flag.value < 1:
       raise ConfigError(f"--{flag.name}={flag.value} must be >= 1.")
   sparse_flags.check(model=_MODEL.value)
@@ -137,7 +143,8 @@ def main(argv: list[str]) -> None:
   from pijax.server.app import ServerState, create_app
   from pijax.server import worker as worker_lib
   state = ServerState(_model_id(model_arg), max_queue=_MAX_QUEUE.value,
-                      cache_slots=_CACHE_SLOTS.value, max_tokens=_MAX_TOKENS.value,
+                      cache_slots=_CACHE_SLOTS.value, parallel=_PARALLEL.value,
+                      max_tokens=_MAX_TOKENS.value,
                       host=_HOST.value, allowed_hosts=tuple(_ALLOWED_HOSTS.value),
                       api_key=api_key)
   app = create_app(state)
@@ -191,7 +198,7 @@ def main(argv: list[str]) -> None:
       return
     state.attach(model)
     sys.stderr.write(f"{PROG}: ready: {state.model_id} ({model.weights_label}, "
-                     f"max_seq_len {model.max_seq_len}), load {model.load_s:.1f} s, "
+                     f"max_seq_len {model.max_seq_len}, {state.worker.parallel} slots), load {model.load_s:.1f} s, "
                      f"warm-up {compile_s:.1f} s\n")
     sys.stderr.flush()
 

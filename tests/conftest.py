@@ -139,5 +139,7 @@ def server():
   # f32 decode products: greedy text is checked against transformers up to its first near-tie
   # (0.05), finer than int8 activations' error (tests/test_host_quant.py checks the int8
   # default against f32).
-  yield from spawn_server("--max_seq_len=512", "--max_queue=8", "--host_threads=2",
-                          "--host_dot=f32")
+  # One slot (--parallel=1): the queue tests hold the worker with one request; batching of many
+  # is tested by tests/test_server_batching.py.
+  yield from spawn_server("--max_seq_len=512", "--max_queue=8", "--parallel=1",
+                          "--host_threads=2", "--host_dot=f32")

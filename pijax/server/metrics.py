@@ -2,7 +2,8 @@
 
 Counters: prompt tokens, cached prompt tokens, generated tokens, requests by finish reason,
 rejected requests. Histograms (seconds): request latency, time to first token, time per output
-token. Gauges: requests running and waiting. Names follow vLLM's and llama-server's metrics.
+token. Gauges: requests running (slots busy: the batch size of the next decode step), requests
+waiting, and slots (requests decoded together at most, --parallel). Names follow vLLM's and llama-server's metrics.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class Metrics:
     self.running = Gauge("pijax_requests_running", "Requests generating now.", registry=r)
     self.waiting = Gauge("pijax_requests_waiting", "Requests waiting in the queue.",
                          registry=r)
+    self.slots = Gauge("pijax_slots", "Requests decoded together at most (--parallel).",
+                       registry=r)
     self._first = set()
     self._lock = threading.Lock()
 
@@ -72,8 +75,9 @@ class Metrics:
     if finish_reason not in ("error", "cancelled"):
       self.latency.observe(time.perf_counter() - job.submitted)
 
-  def render(self, *, waiting: int, running: int) -> tuple[bytes, str]:
+  def render(self, *, waiting: int, running: int, slots: int = 0) -> tuple[bytes, str]:
     """(Prometheus text exposition, its content type)."""
     self.waiting.set(waiting)
     self.running.set(running)
+    self.slots.set(slots)
     return generate_latest(self.registry), CONTENT_TYPE_LATEST

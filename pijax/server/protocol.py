@@ -2,7 +2,7 @@
 
 Field names, ranges and defaults follow the OpenAI API reference ("Create chat completion",
 "Create completion"), `response_format` and `logit_bias` included; the llama.cpp extras `top_k`,
-`min_p` and `repeat_penalty` are accepted as llama-server and vLLM accept them. Unknown fields are
+`min_p`, `repeat_penalty` and `ignore_eos` are accepted as llama-server and vLLM accept them. Unknown fields are
 ignored. Values outside a range are refused with 400 and an OpenAI error body naming the field
 (`param`).
 """
@@ -82,6 +82,8 @@ class _Sampling(BaseModel):
   # Token id (a decimal string: JSON object keys) -> bias in [-100, 100], checked against the
   # vocabulary by `pijax.grammar.check_logit_bias`.
   logit_bias: dict[str, float] | None = None
+  # llama.cpp's extra: end-of-sequence tokens do not end the reply (benchmarks of fixed length).
+  ignore_eos: StrictBool = False
 
   @pydantic.field_validator("stop")
   @classmethod
