@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import platform
 
 import llvmlite.binding
@@ -225,6 +226,14 @@ def cycle_counter(typingctx):
 def read_cycle_counter():
   """`cycle_counter` from Python (to convert counts to seconds)."""
   return cycle_counter()
+
+
+def physical_memory_bytes() -> int:
+  """The machine's RAM in bytes (0 where the OS does not say)."""
+  try:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return 0
 
 
 def empty_aligned(shape, dtype) -> np.ndarray:

@@ -283,6 +283,23 @@ _NO_DOWN_T = (np.zeros((0, 0, qmatmul.BLOCK), np.int8), np.zeros((0, 0, 1), np.u
 _EXTRAS = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
 
 
+def _int_array(name: str, values) -> np.ndarray:
+  """values as i64[N] (a scalar or any shape, flattened); HostOpError for anything but integers
+  (floats, bools, strings: nothing is rounded or reinterpreted)."""
+  try:
+    a = np.asarray(values)
+  except (ValueError, TypeError):
+    a = np.asarray([object()])
+  mixed_bool = isinstance(values, (list, tuple)) and any(
+      isinstance(v, (bool, np.bool_)) for v in values)  # [True, 2] would become [1, 2].
+  if mixed_bool or a.size and (a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer)):
+    raise HostOpError(f"forward_rows: {name} must be integers, got {a.dtype} values")
+  try:
+    return a.astype(np.int64, casting="safe" if a.dtype != np.uint64 else "unsafe").reshape(-1)
+  except TypeError:
+    raise HostOpError(f"forward_rows: {name} must be integers, got {a.dtype} values") from None
+
+
 class HostDecoder:
   """A whole decoder's weights on the host (see the module docstring for the call sequence).
 
@@ -494,6 +511,13 @@ class HostDecoder:
       raise HostOpError(f"a KV cache needs batch >= 1 and max_seq_len >= 1, got {batch}, "
                         f"{max_seq_len}")
     shape = (self.n_layers, int(batch), int(max_seq_len), self.n_kv_heads, self.head_dim)
+    nbytes = 2 * 4 * self.n_layers * int(batch) * int(max_seq_len) * self.n_kv_heads * \
+        self.head_dim  # Python ints: no overflow.
+    ram = _common.physical_memory_bytes()
+    if ram and nbytes > ram:  # Lazily resident, but a full cache must fit in memory.
+      raise HostOpError(f"a KV cache of {batch} slots x {max_seq_len} tokens needs "
+                        f"{nbytes / 2 ** 30:.1f} GiB, more than this machine's "
+                        f"{ram / 2 ** 30:.1f} GiB; use fewer slots or a shorter max_seq_len")
     return HostKVCache(_lazy_zeros(shape), _lazy_zeros(shape))
 
   # ------------------------------------------------------------------------- sparsity
@@ -721,9 +745,8 @@ class HostDecoder:
       HostOpError: arrays of other lengths, a slot or position outside the cache, a
         (slot, position) given twice, bad ids.
     """
-    tokens = np.asarray(tokens).reshape(-1)
-    slots = np.asarray(slots, np.int64).reshape(-1)
-    positions = np.asarray(positions, np.int64).reshape(-1)
+    tokens, slots, positions = (_int_array(name, a) for name, a in (
+        ("tokens", tokens), ("slots", slots), ("positions", positions)))
     self._check_cache(cache)
     n = tokens.shape[0]
     if slots.shape != (n,) or positions.shape != (n,) or n == 0:
@@ -736,13 +759,22 @@ class HostDecoder:
                         f"{cache.max_seq_len} positions]")
     if np.unique(slots * cache.max_seq_len + positions).shape[0] != n:
       raise HostOpError("forward_rows: a (slot, position) appears twice in one pass")
+    if rows is not None:
+      rows = _int_array("rows", rows)
+      if rows.size == 0 or rows.min() < 0 or rows.max() >= n:
+        raise HostOpError(f"forward_rows: rows must index the {n} tokens (0..{n - 1}), got "
+                          f"{rows.tolist()[:8]}")
     return self._forward(cache, tokens, slots, positions, rows)
 
   def _check_cache(self, cache) -> None:
     want = (self.n_layers, self.n_kv_heads, self.head_dim)
-    if not isinstance(cache, HostKVCache) or (cache.k.shape[0],) + cache.k.shape[3:] != want:
-      raise HostOpError(f"forward needs a HostKVCache of this decoder (new_cache), got "
-                        f"{type(cache).__name__}")
+    ok = isinstance(cache, HostKVCache) and all(
+        isinstance(a, np.ndarray) and a.ndim == 5 and a.dtype == np.float32 and
+        a.flags.c_contiguous and a.flags.writeable for a in (cache.k, cache.v))
+    if not ok or cache.k.shape != cache.v.shape or \
+        (cache.k.shape[0],) + cache.k.shape[3:] != want:
+      raise HostOpError(f"forward needs a HostKVCache of this decoder (new_cache: writable f32 "
+                        f"keys and values of one shape), got {type(cache).__name__}")
 
   def _forward(self, cache, tokens, slots, positions, rows, record=_NO_RECORD,
                record_mode=RECORD_NONE) -> np.ndarray:

@@ -376,13 +376,17 @@ def load_for_bench(f):
   return model, f.threads or os.cpu_count()
 
 
+MAX_PARALLEL = 1024  # Sequences per batch --parallel accepts (llama-batched-bench: -npl).
+
+
 def _batches(values: list[str]) -> list[int]:
   try:
     batches = [int(v) for v in values]
   except ValueError:
     batches = []
-  if not batches or min(batches) < 1:
-    raise ConfigError(f"--parallel={','.join(values)} must be batch sizes >= 1, e.g. 1,2,4,8.")
+  if not batches or min(batches) < 1 or max(batches) > MAX_PARALLEL:
+    raise ConfigError(f"--parallel={','.join(values)} must be batch sizes in [1, "
+                      f"{MAX_PARALLEL}], e.g. 1,2,4,8.")
   return batches
 
 
@@ -391,12 +395,15 @@ def main(argv: list[str]) -> None:
   from absl import flags
   f = flags.FLAGS
   check_flags(f)
-  if f.parallel:
-    _batches(f.parallel)  # Refused before the load.
-  model, threads = load_for_bench(f)
-  if f.parallel:
+  if f["parallel"].present:
+    _batches(f.parallel)  # Refused before the load (an empty list too).
     if not f.n_gen:
       raise ConfigError("--parallel times decode: give -n > 0.")
+  model, threads = load_for_bench(f)
+  if f.parallel:
+    if f.n_prompt + f.n_gen + 1 > model.max_seq_len:
+      raise ConfigError(f"--parallel: each sequence holds -p {f.n_prompt} + -n {f.n_gen} + 1 "
+                        f"tokens, more than the model's context of {model.max_seq_len}.")
     rows = bench_parallel(model, f.n_prompt, f.n_gen, f.repetitions, _batches(f.parallel),
                           threads)
   else:

@@ -22,6 +22,7 @@ import numpy as np
 from pijax.errors import ConfigError
 
 SHAPE = (11008, 4096)
+MAX_ROWS = 4096  # Activation rows per matmul --rows accepts.
 
 
 def kernel_rate(kind: str, rows: int, threads: int, cold_bytes: float, seconds: float,
@@ -78,15 +79,24 @@ def main(argv: list[str]) -> None:
     rows = []
   if not rows or min(rows) < 1:
     raise ConfigError(f"--rows={','.join(f.rows)} must be row counts >= 1, e.g. 1,8,128.")
+  if f.output not in ("md", "json"):
+    raise ConfigError(f"-o {f.output!r} must be md or json.")
+  if len(set(rows)) != len(rows) or max(rows) > MAX_ROWS:
+    raise ConfigError(f"--rows={','.join(f.rows)}: distinct row counts <= {MAX_ROWS}.")
   kinds = f.kinds or list(qpack.KINDS)
+  if len(set(kinds)) != len(kinds):
+    raise ConfigError(f"--kinds={','.join(kinds)}: each kind once.")
   bad = [k for k in kinds if k not in qpack.KINDS]
   if bad:
     raise ConfigError(f"--kinds: {', '.join(bad)} have no packed kernel; choose from "
                       f"{', '.join(qpack.KINDS)}.")
-  if f.threads < 1 or f.seconds <= 0:
-    raise ConfigError("-t must be >= 1 and --seconds > 0.")
-  if f.cold_mb < 0:
-    raise ConfigError(f"--cold_mb={f.cold_mb} must be >= 0 (0: every row from cache).")
+  if f.threads < 1 or not 0 < f.seconds < 3600:
+    raise ConfigError("-t must be >= 1 and --seconds in (0, 3600).")
+  from host_ops import _common
+  ram = _common.physical_memory_bytes() or float("inf")
+  if not 0 <= f.cold_mb * 1e6 <= ram / 2:
+    raise ConfigError(f"--cold_mb={f.cold_mb} must be in [0, {ram / 2e6:.0f}] (half this "
+                      "machine's memory; 0: every row from cache).")
   cold = f.cold_mb * 1e6
   # 0: b = 1 from cache too (the arithmetic's own speed); no bandwidth to compare with.
   bandwidth = bench_ops.read_bandwidth(cold, f.threads) if cold else float("nan")
@@ -96,14 +106,16 @@ def main(argv: list[str]) -> None:
                                  "shape": SHAPE,
                                  "rows": table}, indent=1) + "\n")
     return
-  lines = [f"threads {f.threads}, [{SHAPE[0]}, {SHAPE[1]}] per kind, read bandwidth "
-           f"{bandwidth:.1f} GB/s (bench_ops pass over {f.cold_mb:.0f} MB)", "",
+  read = (f"read bandwidth {bandwidth:.1f} GB/s (bench_ops pass over {f.cold_mb:.0f} MB)"
+          if cold else "every row from cache (--cold_mb 0)")
+  lines = [f"threads {f.threads}, [{SHAPE[0]}, {SHAPE[1]}] per kind, {read}", "",
            "| kind | " + " | ".join(f"b={r} G weights/s" for r in rows) + " | b=1 GB/s |",
            "| --- |" + " ---: |" * (len(rows) + 1)]
   for k in kinds:
     mine = [t for t in table if t["kind"] == k]
     one = [t["gb_s"] for t in mine if t["rows"] == 1]
-    tail = f" | {one[0]:.1f} ({100 * one[0] / bandwidth:.0f}%) |" if one else " | - |"
+    share = f" ({100 * one[0] / bandwidth:.0f}%)" if one and cold else ""
+    tail = f" | {one[0]:.1f}{share} |" if one else " | - |"
     lines.append(f"| {k} | " + " | ".join(f"{t['g_weights_s']:.1f}" for t in mine) + tail)
   sys.stdout.write("\n".join(lines) + "\n")
 

@@ -273,6 +273,34 @@ def test_decoder_batched_rows_equal_solo_runs(kind, dot, family, down):
       dec.forward_rows(cache, *bad)
 
 
+def test_forward_rows_refuses_what_it_would_misread():
+  """Non-integer ids, slots, positions or rows (floats, bools, strings), rows out of range, a
+  cache whose values differ from its keys (shape, dtype, read-only), and a cache larger than the
+  machine's memory are HostOpErrors: nothing is rounded, wrapped or written out of bounds."""
+  rng = np.random.default_rng(3)
+  dec = _tiny_decoder(rng, "q4_1", adjacent=True)
+  cache = dec.new_cache(2, 16)
+  good = dict(tokens=[1, 2], slots=[0, 1], positions=[3, 3])
+  bad = [dict(tokens=[1.7, 2]), dict(slots=[0.5, 1]), dict(positions=[1.9, 3]),
+         dict(tokens=[True, 2]), dict(tokens=["a", "b"]), dict(tokens=[None, 1]),
+         dict(positions=[float("nan"), 1]), dict(rows=[-1]), dict(rows=[2]), dict(rows=[0.5]),
+         dict(rows=[True]), dict(rows=[])]
+  for change in bad:
+    with pytest.raises(HostOpError, match="forward_rows"):
+      dec.forward_rows(cache, **{**good, **change})
+  got = dec.forward_rows(cache, **good, rows=[1])
+  assert got.shape == (1, dec.vocab_size)
+  for v in (cache.v[:, :1].copy(), cache.v.astype(np.float64), np.zeros_like(cache.v)[..., :8]):
+    with pytest.raises(HostOpError, match="HostKVCache"):
+      dec.forward_rows(decoder_lib.HostKVCache(cache.k, v), **good)
+  frozen = cache.v.copy()
+  frozen.flags.writeable = False
+  with pytest.raises(HostOpError, match="HostKVCache"):
+    dec.forward_rows(decoder_lib.HostKVCache(cache.k, frozen), **good)
+  with pytest.raises(HostOpError, match="KV cache of .* GiB"):
+    dec.new_cache(2 ** 40, 16)
+
+
 def test_decoder_mixed_formats_match_reference():
   """Layers whose formats differ share the pool and the one layer body; the decoder still
   matches the reference."""
