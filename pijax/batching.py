@@ -37,6 +37,21 @@ from pijax.generation import (STOP_EOS, STOP_LENGTH, STOP_STRING, GenerationResu
                               GenerationStats, TextOut, TokenStep)
 
 
+def check_int(name: str, value: Any, minimum: int) -> int:
+  """value as an int >= minimum (bools refused), else ConfigError naming it."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}.")
+  return int(value)
+
+
+def check_seed(seed: Any) -> int:
+  """A seed as `Model.generate_ids` takes it: an integer in [-2**63, 2**63); ConfigError else."""
+  seed = check_int("seed", seed, -(2 ** 63))
+  if seed >= 2 ** 63:
+    raise ConfigError(f"seed={seed} must be below 2**63.")
+  return seed
+
+
 def _sample_row(logits, key, params, recent, bias=None):
   """One row as the engine's `_sample` draws it alone: (token i32[], next key); bias: None or
   f32[V] added after the penalties (`sampling.sample`)."""
@@ -79,9 +94,8 @@ class BatchGenerator:
   """Up to `max_batch` sequences decoded together on a model's host weights.
 
   Args:
-    model: a `pijax.Model` on host weights (`Model.host_weights` "gguf" or "q8_0"); a dense
-      model on XLA is switched to them first (`configure_host_weights("auto")`, as the CLI
-      does by default).
+    model: a `pijax.Model` on host weights (`Model.host_weights` "gguf" or "q8_0":
+      `configure_host_weights("auto")`, what the CLIs do by default).
     max_batch: slots of the shared KV cache (host RAM: max_batch x `Model.max_seq_len` tokens).
 
   Raises:
@@ -89,15 +103,15 @@ class BatchGenerator:
   """
 
   def __init__(self, model, max_batch: int):
-    if model.backend.name == "xla" and model.sparse_mode == "off":
-      model.configure_host_weights("auto")  # What the CLI does by default (--host_weights).
-    if model.backend.name != "host":
+    if model.backend.name != "host":  # Never switched here: that would change its weights.
       raise ConfigError("batched decode runs on host weights (a quantized GGUF on a CPU "
-                        f"backend); this model runs on {model.backend.name!r}.")
+                        f"backend); this model runs on {model.backend.name!r}: call "
+                        "model.configure_host_weights('auto') first.")
     if isinstance(max_batch, bool) or not isinstance(max_batch, (int, np.integer)) or \
         max_batch < 1:
       raise ConfigError(f"max_batch={max_batch!r} must be an integer >= 1.")
     self.model = model
+    self.backend = model.backend
     self.decoder = model.backend.decoder
     self.max_batch = int(max_batch)
     self.cache = self.decoder.new_cache(self.max_batch, model.max_seq_len)
@@ -146,13 +160,17 @@ class BatchGenerator:
       ConfigError: no free slot, invalid sampling values or logit_bias. GrammarError: a
         response_format that does not compile. ContextError: ids that do not fit.
     """
+    self._check_backend()
     if not self._free:
       raise ConfigError(f"all {self.max_batch} slots are decoding; wait for one to finish.")
     model = self.model
-    from pijax import engine  # The engine's own checks, so both paths refuse the same input.
-    max_new_tokens = engine._check_int("max_new_tokens", max_new_tokens, 0)
-    repeat_last_n = engine._check_int("repeat_last_n", repeat_last_n, 1)
-    seed = engine._check_int("seed", seed, -(2 ** 63))
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
+    repeat_last_n = check_int("repeat_last_n", repeat_last_n, 1)
+    seed = check_seed(seed)
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) and not (
+        isinstance(ids, np.ndarray) and ids.ndim == 1):
+      raise ConfigError(f"add needs the prompt's token ids (a list of ints; Model.encode_prompt "
+                        f"makes them from text), got {type(ids).__name__}.")
     params = sampling_lib.make_sampling_params(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
@@ -182,7 +200,8 @@ class BatchGenerator:
     seq.fed = list(ids)
     t0 = time.perf_counter()
     n = len(ids)
-    chunk = engine.PREFILL_CHUNK  # Bounds the pass's scratch (rows x intermediate_size).
+    from pijax import engine  # The engine's chunk: bounds the pass's scratch (rows x F).
+    chunk = engine.PREFILL_CHUNK
     try:
       for start in range(reused, n, chunk):
         end = min(n, start + chunk)
@@ -205,6 +224,7 @@ class BatchGenerator:
       {slot: events} for each sequence that was live: [TokenStep(token)] and, for one that
       ends here, a final TokenStep(-1, STOP_EOS | STOP_LENGTH) (its slot is free again).
     """
+    self._check_backend()
     if not self._live:
       return {}
     slots = sorted(self._live)
@@ -223,6 +243,11 @@ class BatchGenerator:
       q.stats.decode_steps += 1
       q.stats.active_sum += active
     return {s: self._advance(s, *tokens[s]) for s in slots}
+
+  def _check_backend(self) -> None:
+    if self.model.backend is not self.backend:
+      raise ContextError("the model was reconfigured (configure_sparse / configure_host_weights)"
+                         " since this BatchGenerator was made; make a new one.")
 
   def cancel(self, slot: int) -> None:
     """Ends a live sequence now (a client went away); its slot is free again."""
@@ -290,16 +315,19 @@ class BatchGenerator:
 
 def generate_batch(model, prompts: Sequence[str | Sequence[int]], *, max_batch: int | None = None,
                    chat: bool = False, stop: str | Sequence[str] | None = None,
-                   seed: int | Sequence[int] = 0, **sampling) -> list[GenerationResult]:
+                   seed: int | Sequence[int] = 0, parse_special: bool = False,
+                   **sampling) -> list[GenerationResult]:
   """Generates a reply to each prompt, up to `max_batch` (default: all) decoded together.
 
   Args:
     model: as for `BatchGenerator`.
     prompts: each text, token ids, or with `chat` a list of messages (`Model.stream`).
     stop: stop strings for every prompt (the text ends before the earliest; stop_reason "stop").
-    seed: one seed for all, or one per prompt.
+    seed: one seed for all, or a list of one per prompt.
+    parse_special: as for `Model.stream`.
     sampling: max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
-      presence_penalty, frequency_penalty, repeat_last_n (as for `Model.generate_ids`).
+      presence_penalty, frequency_penalty, repeat_last_n, logit_bias, response_format (as for
+      `Model.generate_ids`; log-probabilities are `BatchGenerator.add`'s, not returned here).
 
   Returns:
     GenerationResult per prompt, in order; each one's tokens are those of
@@ -307,18 +335,30 @@ def generate_batch(model, prompts: Sequence[str | Sequence[int]], *, max_batch: 
     of the batched steps it took part in.
 
   Raises:
-    ConfigError, ContextError: as `BatchGenerator.add` (checked for every prompt first).
+    ConfigError, ContextError: as `BatchGenerator.add`; prompts, seeds, stop strings and
+      lengths are checked for every prompt before any is decoded.
   """
+  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+    raise ConfigError(f"prompts must be a list (of texts, token id lists or chats), got "
+                      f"{type(prompts).__name__}.")
   prompts = list(prompts)
   if not prompts:
     return []
-  seeds = [seed] * len(prompts) if isinstance(seed, (int, np.integer)) else list(seed)
+  if max_batch is not None:
+    check_int("max_batch", max_batch, 1)
+  if sampling.get("logprobs"):
+    raise ConfigError("generate_batch returns texts; for log-probabilities use "
+                      "BatchGenerator.add(..., logprobs=True).")
+  if isinstance(seed, (list, tuple)):
+    seeds = [check_seed(s) for s in seed]
+  else:
+    seeds = [check_seed(seed)] * len(prompts)
   if len(seeds) != len(prompts):
     raise ConfigError(f"seed: one for all or one per prompt ({len(prompts)}), got {len(seeds)}.")
   stop = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
   if not all(isinstance(s, str) for s in stop):
     raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}.")
-  ids = [model.encode_prompt(p, chat=chat) for p in prompts]
+  ids = [model.encode_prompt(p, chat=chat, parse_special=parse_special) for p in prompts]
   for p in ids:
     if len(p) > model.max_seq_len:
       raise ContextError(f"a prompt of {len(p)} tokens does not fit max_seq_len "

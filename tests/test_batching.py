@@ -94,6 +94,36 @@ def test_batch_errors(model, tmp_path):
   with pytest.raises(ConfigError, match="seed"):
     model.generate_batch(PROMPTS[:2], seed=[1, 2, 3])
   assert model.generate_batch([]) == []
+  # Refused before anything is decoded: a bare string (not split into characters), bad seeds
+  # (as generate refuses them), max_batch 0, log-probabilities it would drop.
+  for kwargs in (dict(prompts="hello"), dict(prompts=None), dict(seed=None), dict(seed=1.5),
+                 dict(seed=2 ** 64), dict(seed=[1, "x"]), dict(max_batch=0),
+                 dict(logprobs=True)):
+    args = {"prompts": PROMPTS[:2], **kwargs}
+    with pytest.raises(ConfigError):
+      model.generate_batch(args.pop("prompts"), max_new_tokens=2, **args)
+  with pytest.raises(ConfigError, match="token ids"):
+    gen.add("hello")
+  with pytest.raises(ConfigError, match="seed"):
+    gen.add([1, 2], seed=2 ** 64)
+
+
+def test_batch_needs_host_weights_and_notices_reconfiguration(smollm2_path):
+  """A model on XLA is refused (its weights are never switched behind the caller's back); a
+  generator whose model is reconfigured raises instead of decoding on the old weights."""
+  m = pijax.load(smollm2_path, max_seq_len=64)
+  assert m.backend.name == "xla"
+  with pytest.raises(ConfigError, match="configure_host_weights"):
+    m.generate_batch(["hi"], max_new_tokens=2)
+  assert m.backend.name == "xla"
+  m.configure_host_weights("auto")
+  gen = batching.BatchGenerator(m, 2)
+  gen.add(m.encode_prompt("Hello"), max_new_tokens=8)
+  m.configure_host_weights("off")
+  with pytest.raises(ContextError, match="reconfigured"):
+    gen.step()
+  with pytest.raises(ContextError, match="reconfigured"):
+    gen.add([1, 2])
 
 
 def test_bench_parallel_rows(smollm2_path):
