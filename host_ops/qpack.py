@@ -49,7 +49,6 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from host_ops import _common
-from host_ops import qblocks
 from host_ops._common import HostOpError
 from host_ops.qblocks import _add, _const, _half_to_float, _load, _vec
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import time
 from typing import Any, Sequence
 
