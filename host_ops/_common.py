@@ -228,6 +228,23 @@ def read_cycle_counter():
   return cycle_counter()
 
 
+def int_array(name: str, values) -> np.ndarray:
+  """values as i64[N] (a scalar or any shape, flattened); HostOpError naming `name` for anything
+  but integers (floats, bools, strings: nothing is rounded or reinterpreted)."""
+  try:
+    a = np.asarray(values)
+  except (ValueError, TypeError):
+    a = np.asarray([object()])
+  mixed_bool = isinstance(values, (list, tuple)) and any(
+      isinstance(v, (bool, np.bool_)) for v in values)  # [True, 2] would become [1, 2].
+  if mixed_bool or a.size and (a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer)):
+    raise HostOpError(f"{name} must be integers, got {a.dtype} values")
+  try:
+    return a.astype(np.int64, casting="safe" if a.dtype != np.uint64 else "unsafe").reshape(-1)
+  except TypeError:
+    raise HostOpError(f"{name} must be integers, got {a.dtype} values") from None
+
+
 def physical_memory_bytes() -> int:
   """The machine's RAM in bytes (0 where the OS does not say)."""
   try:

@@ -283,23 +283,6 @@ _NO_DOWN_T = (np.zeros((0, 0, qmatmul.BLOCK), np.int8), np.zeros((0, 0, 1), np.u
 _EXTRAS = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
 
 
-def _int_array(name: str, values) -> np.ndarray:
-  """values as i64[N] (a scalar or any shape, flattened); HostOpError for anything but integers
-  (floats, bools, strings: nothing is rounded or reinterpreted)."""
-  try:
-    a = np.asarray(values)
-  except (ValueError, TypeError):
-    a = np.asarray([object()])
-  mixed_bool = isinstance(values, (list, tuple)) and any(
-      isinstance(v, (bool, np.bool_)) for v in values)  # [True, 2] would become [1, 2].
-  if mixed_bool or a.size and (a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer)):
-    raise HostOpError(f"forward_rows: {name} must be integers, got {a.dtype} values")
-  try:
-    return a.astype(np.int64, casting="safe" if a.dtype != np.uint64 else "unsafe").reshape(-1)
-  except TypeError:
-    raise HostOpError(f"forward_rows: {name} must be integers, got {a.dtype} values") from None
-
-
 class HostDecoder:
   """A whole decoder's weights on the host (see the module docstring for the call sequence).
 
@@ -745,7 +728,7 @@ class HostDecoder:
       HostOpError: arrays of other lengths, a slot or position outside the cache, a
         (slot, position) given twice, bad ids.
     """
-    tokens, slots, positions = (_int_array(name, a) for name, a in (
+    tokens, slots, positions = (_common.int_array(f"forward_rows: {name}", a) for name, a in (
         ("tokens", tokens), ("slots", slots), ("positions", positions)))
     self._check_cache(cache)
     n = tokens.shape[0]
@@ -760,7 +743,7 @@ class HostDecoder:
     if np.unique(slots * cache.max_seq_len + positions).shape[0] != n:
       raise HostOpError("forward_rows: a (slot, position) appears twice in one pass")
     if rows is not None:
-      rows = _int_array("rows", rows)
+      rows = _common.int_array("forward_rows: rows", rows)
       if rows.size == 0 or rows.min() < 0 or rows.max() >= n:
         raise HostOpError(f"forward_rows: rows must index the {n} tokens (0..{n - 1}), got "
                           f"{rows.tolist()[:8]}")
