@@ -9,6 +9,10 @@ weight once for all of them (llama.cpp's `llama-batched-bench`, vLLM's continuou
 with `add` (its prompt prefilled alone in a free slot, its first token sampled), every `step`
 decodes one token of each live sequence, a sequence leaves when it stops (its slot is free for
 the next `add`) or when `cancel`led. `generate_batch` runs a fixed list of prompts to the end.
+With `add(..., prefill=False)` the prompt is instead fed by the following steps, at most
+`prefill_tokens` prompt tokens per step in the same pass as the running sequences' decode rows
+(chunked prefill, as vLLM and llama-server mix prompt and decode tokens): a long prompt then
+delays each running stream's next token by one chunk's time, not by its whole prefill.
 
 Each sequence samples with its own key, parameters and recent tokens, as `Model.generate_ids`
 does for it alone; with int8 products every kernel's output depends only on its own row, so
@@ -87,6 +91,7 @@ class _Sequence:
   constraint: Any = None  # Its `pijax.grammar.Constraint` (logit_bias, response_format) or None.
   logprobs: bool = False  # Each TokenStep carries f32[V] log-probabilities of the raw logits.
   fed: list = dataclasses.field(default_factory=list)  # Tokens whose keys/values its slot holds.
+  prompt: list | None = None  # Its whole prompt while part of it is still to be prefilled.
 
 
 class BatchGenerator:
@@ -96,12 +101,15 @@ class BatchGenerator:
     model: a `pijax.Model` on host weights (`Model.host_weights` "gguf" or "q8_0":
       `configure_host_weights("auto")`, what the CLIs do by default).
     max_batch: slots of the shared KV cache (host RAM: max_batch x `Model.max_seq_len` tokens).
+    prefill_tokens: prompt tokens of sequences added with `prefill=False` fed per `step` while
+      other sequences decode (tokens; the bound on how long a newcomer delays them); with no
+      sequence decoding a step feeds up to `engine.PREFILL_CHUNK` of them.
 
   Raises:
-    ConfigError: a model not on host weights, max_batch < 1.
+    ConfigError: a model not on host weights, max_batch < 1, prefill_tokens < 1.
   """
 
-  def __init__(self, model, max_batch: int):
+  def __init__(self, model, max_batch: int, prefill_tokens: int = 128):
     if model.backend.name != "host":  # Never switched here: that would change its weights.
       raise ConfigError("batched decode runs on host weights (a quantized GGUF on a CPU "
                         f"backend); this model runs on {model.backend.name!r}: call "
@@ -109,6 +117,7 @@ class BatchGenerator:
     if isinstance(max_batch, bool) or not isinstance(max_batch, (int, np.integer)) or \
         max_batch < 1:
       raise ConfigError(f"max_batch={max_batch!r} must be an integer >= 1.")
+    self.prefill_tokens = check_int("prefill_tokens", prefill_tokens, 1)
     self.model = model
     self.backend = model.backend
     self.decoder = model.backend.decoder
@@ -137,8 +146,10 @@ class BatchGenerator:
           presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
           repeat_last_n: int = 64, seed: int = 0, ignore_eos: bool = False,
           logprobs: bool = False, logit_bias: dict[int, float] | None = None,
-          response_format: Any = None) -> tuple[int, GenerationStats, list[TokenStep]]:
-    """Prefills a prompt alone in a free slot and samples its first token.
+          response_format: Any = None,
+          prefill: bool = True) -> tuple[int, GenerationStats, list[TokenStep]]:
+    """Prefills a prompt alone in a free slot and samples its first token (or, with
+    `prefill=False`, claims the slot and leaves the prompt to the next steps).
 
     The slot is the free one whose cached tokens share the longest prefix with `ids` (only the
     rest is prefilled; `last_reused` says how many were reused), else the least recently used.
@@ -149,11 +160,15 @@ class BatchGenerator:
       ignore_eos: end-of-sequence tokens do not end it (benchmarks: fixed lengths).
       logprobs, logit_bias, response_format: as for `Model.generate_ids` (each TokenStep then
         carries f32[vocab] log-probabilities; the bias / grammar is this sequence's own).
+      prefill: False: prefill nothing now; the following `step`s feed the prompt in chunks
+        (`prefill_tokens` per step) beside the decode rows, and the step that feeds its last
+        token returns its first token.
 
     Returns:
       (slot, stats, events): stats is the sequence's GenerationStats, filled as it runs; events
       is [TokenStep(first token)] and, when the sequence already ends, a final
-      TokenStep(-1, STOP_EOS | STOP_LENGTH) (its slot is then free again).
+      TokenStep(-1, STOP_EOS | STOP_LENGTH) (its slot is then free again); [] with
+      prefill=False (but for max_new_tokens=0: the final TokenStep).
 
     Raises:
       ConfigError: no free slot, invalid sampling values or logit_bias. GrammarError: a
@@ -195,6 +210,10 @@ class BatchGenerator:
       return slot, stats, [TokenStep(-1, STOP_LENGTH)]
     self._free.remove(slot)
     self.last_reused = reused
+    if not prefill:  # The steps feed ids[reused:]; fed grows as their keys/values land.
+      seq.fed, seq.pos, seq.prompt = list(ids[:reused]), reused, list(ids)
+      self._live[slot] = seq
+      return slot, stats, []
     self._cached[slot] = []  # Unknown until the sequence ends (a failed pass leaves garbage).
     seq.fed = list(ids)
     t0 = time.perf_counter()
@@ -216,32 +235,78 @@ class BatchGenerator:
     token, lp = self._sample({slot: logits[0]})[slot]
     return slot, stats, self._advance(slot, token, lp)
 
-  def step(self) -> dict[int, list[TokenStep]]:
-    """Decodes one token of every live sequence in one host pass.
+  def step(self, prefill_tokens: int | None = None) -> dict[int, list[TokenStep]]:
+    """Decodes one token of every decoding sequence and feeds a chunk of the prompts still to
+    be prefilled (`add(..., prefill=False)`, oldest first), all in one host pass.
+
+    Args:
+      prefill_tokens: prompt tokens to feed in this pass at most (default: the generator's
+        `prefill_tokens`; with no sequence decoding, `engine.PREFILL_CHUNK`).
 
     Returns:
-      {slot: events} for each sequence that was live: [TokenStep(token)] and, for one that
-      ends here, a final TokenStep(-1, STOP_EOS | STOP_LENGTH) (its slot is free again).
+      {slot: events} for each live sequence: [TokenStep(token)] for a decoding one and for one
+      whose prompt this pass finished (its first token), [] for one still prefilling; a
+      sequence that ends here gets a final TokenStep(-1, STOP_EOS | STOP_LENGTH) (its slot is
+      free again).
     """
     self._check_backend()
     if not self._live:
       return {}
-    slots = sorted(self._live)
-    seqs = [self._live[s] for s in slots]
+    decoding = sorted(s for s, q in self._live.items() if q.prompt is None)
+    if prefill_tokens is None:
+      from pijax import engine  # The engine's chunk: bounds the pass's scratch (rows x F).
+      prefill_tokens = self.prefill_tokens if decoding else engine.PREFILL_CHUNK
+    budget = check_int("prefill_tokens", prefill_tokens, 1)
+    tokens = [self._live[s].token for s in decoding]
+    slots = list(decoding)
+    positions = [self._live[s].pos for s in decoding]
+    rows = list(range(len(decoding)))  # Logits of each decode row and of each finished prompt.
+    fed: list[tuple[int, int]] = []  # (slot, prompt tokens fed this pass)
+    for s in self._prefilling():
+      if budget == 0:
+        break
+      q = self._live[s]
+      k = min(budget, len(q.prompt) - q.pos)
+      tokens += q.prompt[q.pos:q.pos + k]
+      slots += [s] * k
+      positions += range(q.pos, q.pos + k)
+      budget -= k
+      fed.append((s, k))
+      if q.pos + k == len(q.prompt):
+        rows.append(len(tokens) - 1)
     t0 = time.perf_counter()
-    logits = self.decoder.forward_rows(self.cache, [q.token for q in seqs], slots,
-                                       [q.pos for q in seqs])
-    for q in seqs:  # The pass wrote each input token's keys/values at its position.
+    # A pass of prompt chunks alone that finishes none still needs one logits row (discarded).
+    logits = self.decoder.forward_rows(self.cache, tokens, slots, positions,
+                                       rows=rows or [len(tokens) - 1])
+    for s in decoding:  # The pass wrote each input token's keys/values at its position.
+      q = self._live[s]
       q.fed.append(q.token)
       q.pos += 1
-    tokens = self._sample(dict(zip(slots, logits)))
+    done = []  # Slots whose prompt this pass finished: they sample their first token.
+    for s, k in fed:
+      q = self._live[s]
+      q.fed += q.prompt[q.pos:q.pos + k]
+      q.pos += k
+      if q.pos == len(q.prompt):
+        q.prompt = None
+        done.append(s)
+    sampled = self._sample(dict(zip(decoding + done, logits)))
     dt = time.perf_counter() - t0
     active = float(self.decoder.last_active.mean())
-    for q in seqs:
+    for s in decoding:
+      q = self._live[s]
       q.stats.decode_s += dt
       q.stats.decode_steps += 1
       q.stats.active_sum += active
-    return {s: self._advance(s, *tokens[s]) for s in slots}
+    for s, _ in fed:
+      self._live[s].stats.prefill_s += dt
+    events = {s: [] for s, _ in fed}
+    events.update({s: self._advance(s, *sampled[s]) for s in decoding + done})
+    return events
+
+  def _prefilling(self) -> list[int]:
+    """Slots whose prompt is still being fed, oldest `add` first."""
+    return [s for s, q in self._live.items() if q.prompt is not None]
 
   def _check_backend(self) -> None:
     if self.model.backend is not self.backend:

@@ -56,6 +56,10 @@ _CACHE_SLOTS = flags.DEFINE_integer("cache_slots", 2, "Conversations whose KV ca
 _PARALLEL = flags.DEFINE_integer("parallel", 8, "Requests decoded together (continuous "
                                  "batching, llama-server's -np); each holds a KV cache of "
                                  "max_seq_len tokens. Models off host weights: one at a time.")
+_PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 128, "Prompt tokens of newly arrived "
+                                     "requests fed per decode step while others stream "
+                                     "(chunked prefill: bounds how long a long prompt stalls "
+                                     "them; BUILD_NOTES.md, issue 31).")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "Reply tokens at most for a "
                                    "request that names no max_tokens (llama.cpp's -n); "
                                    "default: up to the context's end.", lower_bound=1)
@@ -127,7 +131,7 @@ def main(argv: list[str]) -> None:
                       "pip install -e '.[server]'.") from None
   from pijax.errors import ConfigError
   cli.check_max_seq_len(_MAX_SEQ_LEN.value)
-  for flag in (_MAX_QUEUE, _CACHE_SLOTS, _PARALLEL):
+  for flag in (_MAX_QUEUE, _CACHE_SLOTS, _PARALLEL, _PREFILL_CHUNK):
     if flag.value < 1:
       raise ConfigError(f"--{flag.name}={flag.value} must be >= 1.")
   sparse_flags.check(model=_MODEL.value)
@@ -144,7 +148,7 @@ def main(argv: list[str]) -> None:
   from pijax.server import worker as worker_lib
   state = ServerState(_model_id(model_arg), max_queue=_MAX_QUEUE.value,
                       cache_slots=_CACHE_SLOTS.value, parallel=_PARALLEL.value,
-                      max_tokens=_MAX_TOKENS.value,
+                      prefill_tokens=_PREFILL_CHUNK.value, max_tokens=_MAX_TOKENS.value,
                       host=_HOST.value, allowed_hosts=tuple(_ALLOWED_HOSTS.value),
                       api_key=api_key)
   app = create_app(state)

@@ -79,6 +79,81 @@ def test_generator_sampled_rows_and_early_stops(model):
   assert chat_slot in range(3) and gen.free_slots == 3
 
 
+def _wikitext_ids(model, start: int, n: int) -> list[int]:
+  import os
+  path = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "wikitext-2-raw",
+                      "wiki.test.raw")
+  with open(path, encoding="utf-8") as f:
+    text = f.read()[start:start + 8 * n]
+  ids = model.tokenizer.encode(text)[:n]
+  assert len(ids) == n
+  return ids
+
+
+@pytest.mark.parametrize("dot", ["int8", "f32"])
+def test_chunked_prefill_beside_decoding_rows(model, dot):
+  """Two sequences decode (greedy and seeded sampling) while two long prompts (170 and 90
+  tokens) join with prefill=False and are fed 37 prompt tokens a step in the same passes, the
+  older first: the newcomers' steps are [] until the pass that finishes their prompt, and every
+  sequence's tokens equal its solo run."""
+  dec = model.backend.decoder
+  dec.dot = dot
+  try:
+    gen = batching.BatchGenerator(model, 4)
+    short = [model.encode_prompt(p) for p in PROMPTS[:2]]
+    kw = [dict(max_new_tokens=30), dict(max_new_tokens=30, temperature=0.9, top_p=0.95, seed=3)]
+    longs = [_wikitext_ids(model, 3000, 170), _wikitext_ids(model, 9000, 90)]
+    got, owner = {}, {}
+    for i, (ids, k) in enumerate(zip(short, kw)):
+      slot, _, events = gen.add(ids, **k)
+      owner[slot], got[i] = i, [e.token_id for e in events]
+    for slot, events in gen.step().items():  # Both decode before the newcomers come.
+      got[owner[slot]].extend(e.token_id for e in events)
+    for j, ids in enumerate(longs):
+      slot, stats, events = gen.add(ids, max_new_tokens=12, prefill=False)
+      assert events == [] and slot in gen.live
+      owner[slot], got[2 + j] = 2 + j, []
+    firsts = {}  # prompt index -> the step at which its first token came
+    step = 0
+    while gen.live:
+      step += 1
+      for slot, events in gen.step(prefill_tokens=37).items():
+        i = owner[slot]
+        if i >= 2 and not got[i] and events:
+          firsts[i] = step
+        got[i].extend(e.token_id for e in events)
+    # 170 tokens at 37 a step take 5 steps; the 90 behind it start in step 5 and end in step 8.
+    assert firsts == {2: 5, 3: 8}
+    for i, (ids, k) in enumerate(zip(short + longs, kw + [dict(max_new_tokens=12)] * 2)):
+      assert got[i] == [e.token_id for e in model.generate_ids(ids, **k)], i
+  finally:
+    dec.dot = "int8"
+
+
+def test_cancel_while_prefilling_keeps_the_fed_prefix(model):
+  """A sequence cancelled after two 40-token chunks of its 150-token prompt frees its slot,
+  which keeps exactly those 80 tokens: the same prompt added again reuses 80 and its tokens
+  equal its solo run; an empty step (nothing live) returns {}."""
+  gen = batching.BatchGenerator(model, 1, prefill_tokens=40)
+  ids = _wikitext_ids(model, 15000, 150)
+  gen.add(model.encode_prompt(PROMPTS[0]), max_new_tokens=3)  # Something decoding beside it.
+  while gen.live:
+    gen.step()
+  slot, _, _ = gen.add(ids, max_new_tokens=10, prefill=False)
+  gen.step(prefill_tokens=40)
+  gen.step(prefill_tokens=40)
+  gen.cancel(slot)
+  assert gen.step() == {} and gen.free_slots == 1
+  slot, _, events = gen.add(ids, max_new_tokens=10)
+  assert gen.last_reused == 80
+  tokens = [e.token_id for e in events]
+  while gen.live:
+    tokens += [e.token_id for e in gen.step()[slot]]
+  assert tokens == [e.token_id for e in model.generate_ids(ids, max_new_tokens=10)]
+  with pytest.raises(ConfigError, match="prefill_tokens"):
+    batching.BatchGenerator(model, 1, prefill_tokens=0)
+
+
 def test_batch_errors(model, tmp_path):
   gen = batching.BatchGenerator(model, 1)
   with pytest.raises(ConfigError, match="max_batch"):

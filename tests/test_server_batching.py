@@ -210,3 +210,52 @@ def test_full_queue_is_503_and_the_server_recovers(server):
   assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
   assert statuses == [200] * 8
   _wait_idle(server)
+
+
+def test_a_long_prompt_is_prefilled_between_running_streams_tokens(server):
+  """A 400-token prompt arrives while a stream runs (--prefill_chunk 128: its prompt takes 4
+  passes): the running stream gets chunks between the newcomer's request and the newcomer's
+  first token instead of stalling for its whole prefill; both replies equal their runs alone;
+  /metrics counts the batched passes (pijax_batch_size)."""
+  import os
+  path = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
+                      "wikitext-2-raw", "wiki.test.raw")
+  with open(path, encoding="utf-8") as f:
+    words = f.read()[20000:40000].split()
+  long_prompt = " ".join(words[:300])  # ~400 tokens with SmolLM2's tokenizer.
+  running = {"prompt": "The history of the Roman Empire", "max_tokens": 120, "stream": True,
+             "temperature": 0, "ignore_eos": True}
+  newcomer = {"prompt": long_prompt, "max_tokens": 8, "stream": True, "temperature": 0}
+
+  def stream(body, times, started=None):
+    text = []
+    with httpx.Client(timeout=300) as c:
+      with c.stream("POST", server["base"] + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+          if line.startswith("data: {"):
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+              text.append(chunk["choices"][0]["text"])
+              times.append(time.perf_counter())
+              if started is not None and len(times) == 3:
+                started.set()
+    return "".join(text)
+
+  # The batched run comes first: run alone before, the prompt would be in a slot's prefix cache.
+  batches_before = _metric(server, "pijax_batch_size_count")
+  run_times, new_times, started = [], [], threading.Event()
+  with ThreadPoolExecutor(2) as pool:
+    first = pool.submit(stream, running, run_times, started)
+    assert started.wait(timeout=120)
+    sent = time.perf_counter()
+    second = pool.submit(stream, newcomer, new_times)
+    texts = [first.result(), second.result()]
+  reply = httpx.post(server["base"] + "/v1/completions", json={**newcomer, "stream": False},
+                     timeout=300).json()
+  assert 300 < reply["usage"]["prompt_tokens"] <= 500
+  assert texts == [stream(running, []), stream(newcomer, [])]
+  during = [t for t in run_times if sent < t < new_times[0]]
+  assert len(during) >= 2, (len(during), len(run_times))
+  assert _metric(server, "pijax_batch_size_count") > batches_before
+  _wait_idle(server)

@@ -52,12 +52,14 @@ class ServerState:
 
   def __init__(self, model_id: str, *, max_queue: int = 16, cache_slots: int = 2,
                parallel: int = 8, max_tokens: int | None = None, host: str = "127.0.0.1",
-               allowed_hosts: tuple[str, ...] = (), api_key: str | None = None):
+               allowed_hosts: tuple[str, ...] = (), api_key: str | None = None,
+               prefill_tokens: int = 128):
     self.model_id = model_id
     self.max_tokens = max_tokens  # Reply cap (tokens) for chat requests that name none.
     self.max_queue = max_queue
     self.cache_slots = cache_slots
     self.parallel = parallel  # Requests decoded together (slots of the batched worker).
+    self.prefill_tokens = prefill_tokens  # Newcomers' prompt tokens per batched pass.
     self.hosts = access.HostPolicy(host, allowed_hosts)
     self.api_key = access.check_api_key(api_key)
     self.model = None
@@ -95,7 +97,8 @@ class ServerState:
     """Serves `model` from now on (call after loading and warming it up)."""
     self.model = model
     self.worker = Worker(model, max_queue=self.max_queue, cache_slots=self.cache_slots,
-                         parallel=self.parallel, on_token=self.metrics.on_token)
+                         parallel=self.parallel, prefill_tokens=self.prefill_tokens,
+                         on_token=self.metrics.on_token, on_step=self.metrics.batch_size.observe)
 
 
 def _error(status: int, message: str, *, type: str = "invalid_request_error",

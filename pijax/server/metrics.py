@@ -2,7 +2,7 @@
 
 Counters: prompt tokens, cached prompt tokens, generated tokens, requests by finish reason,
 rejected requests. Histograms (seconds): request latency, time to first token, time per output
-token. Gauges: requests running (slots busy: the batch size of the next decode step), requests
+token; and the batch size (requests in each batched host pass). Gauges: requests running (slots busy: the batch size of the next decode step), requests
 waiting, and slots (requests decoded together at most, --parallel). Names follow vLLM's and llama-server's metrics.
 """
 
@@ -42,6 +42,9 @@ class Metrics:
     self.tpot = Histogram("pijax_time_per_output_token_seconds",
                           "Seconds between consecutive generated tokens.",
                           buckets=_TOKEN_BUCKETS, registry=r)
+    self.batch_size = Histogram("pijax_batch_size",
+                                "Requests in each batched pass (decoding or being prefilled).",
+                                buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
     self.running = Gauge("pijax_requests_running", "Requests generating now.", registry=r)
     self.waiting = Gauge("pijax_requests_waiting", "Requests waiting in the queue.",
                          registry=r)

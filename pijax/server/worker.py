@@ -6,9 +6,10 @@ thread runs the model and posts events back to the handler's event loop. The que
 
 Continuous batching (a model on host weights, the CPU default): one `pijax.batching.
 BatchGenerator` of `parallel` slots. Between two decode steps, queued jobs join in FIFO order
-while slots are free (each prompt prefilled alone, its first token sampled); every step then
-decodes one token of every running job in one host pass, and each job's text streams as its
-tokens come. A job leaves when it stops (end of sequence, max_tokens, a stop string) or when its
+while slots are free; every step then decodes one token of every running job and feeds up to
+`prefill_tokens` tokens of the newcomers' prompts, in one host pass (chunked prefill: a long
+prompt delays the running streams by one chunk a step, not by its whole prefill), and each
+job's text streams as its tokens come. A job leaves when it stops (end of sequence, max_tokens, a stop string) or when its
 client went away (`Job.cancel`: its slot is freed before the next step). Every job is batched:
 logprobs, logit_bias and response_format are per sequence in the generator. Each slot keeps the
 keys/values of its last job, and a newcomer takes the free slot sharing the longest prefix with
@@ -167,11 +168,16 @@ class Worker:
       tokens of keys and values); the batched path reuses its own slots.
     parallel: jobs decoded together (slots of the batch's KV cache: parallel x max_seq_len
       tokens of host RAM) on a model on host weights; others run one at a time.
+    prefill_tokens: newcomers' prompt tokens fed per decode step while others stream (the
+      batched path; `pijax.batching.BatchGenerator`).
     on_token: optional callback(job, seconds since the job's previous token or its start).
+    on_step: optional callback(jobs in the pass) before each batched pass.
   """
 
   def __init__(self, model, *, max_queue: int = 16, cache_slots: int = 2, parallel: int = 8,
-               on_token: Callable[[Job, float], None] | None = None):
+               prefill_tokens: int = 128,
+               on_token: Callable[[Job, float], None] | None = None,
+               on_step: Callable[[int], None] | None = None):
     from pijax import engine
     self.model = model
     self.max_queue = int(max_queue)
@@ -181,11 +187,12 @@ class Worker:
     self._batch = None
     if model.backend.name == "host":  # Continuous batching needs the host decoder.
       from pijax.batching import BatchGenerator
-      self._batch = BatchGenerator(model, int(parallel))
+      self._batch = BatchGenerator(model, int(parallel), prefill_tokens)
     self.parallel = self._batch.max_batch if self._batch is not None else 1
     self._slots = [engine.Session(model) for _ in range(max(1, int(cache_slots)))]
     self._used = [0.0] * len(self._slots)
     self.on_token = on_token
+    self.on_step = on_step
     self._running: dict[int, Job] = {}  # slot (0 on the one-at-a-time path) -> its job
     self._thread = threading.Thread(target=self._loop, name="pijax-worker", daemon=True)
     self._thread.start()
@@ -292,6 +299,8 @@ class Worker:
       if not batch.live:
         continue
       try:
+        if self.on_step is not None:
+          self.on_step(len(replies))
         events = batch.step()
       except Exception as err:  # A failed pass: its jobs fail, the worker goes on.
         logging.exception("batched decode step failed")
@@ -308,12 +317,13 @@ class Worker:
       batch.cancel(slot)
 
   def _join(self, job: Job, replies: dict[int, "_Reply"]) -> None:
-    """Prefills a job into a free slot and posts its first token (or its failure)."""
+    """Gives a job a free slot (its prompt is fed by the next steps) or posts its failure."""
     limit = self.model.max_seq_len if job.max_tokens is None else job.max_tokens
     reply = _Reply(self, job)
     try:
       slot, _, steps = self._batch.add(job.ids, max_new_tokens=limit, ignore_eos=job.ignore_eos,
-                                       logprobs=job.top_logprobs is not None, **job.sampling)
+                                       logprobs=job.top_logprobs is not None, prefill=False,
+                                       **job.sampling)
     except PijaxError as err:
       job.post(Failed(400, str(err), "invalid_request_error"))
       return
