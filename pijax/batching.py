@@ -138,6 +138,11 @@ class BatchGenerator:
     return sorted(self._live)
 
   @property
+  def n_live(self) -> int:
+    """How many sequences hold a slot (safe to read from another thread)."""
+    return len(self._live)
+
+  @property
   def free_slots(self) -> int:
     return len(self._free)
 

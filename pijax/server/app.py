@@ -215,7 +215,9 @@ def create_app(state: ServerState) -> FastAPI:
     waiting = state.worker.waiting if state.worker else 0
     running = state.worker.running if state.worker else 0
     slots = state.worker.parallel if state.worker else 0
-    body, content_type = state.metrics.render(waiting=waiting, running=running, slots=slots)
+    live = state.worker.slots_live if state.worker else 0
+    body, content_type = state.metrics.render(waiting=waiting, running=running, slots=slots,
+                                              slots_live=live)
     return Response(body, media_type=content_type)
 
   @app.get("/")
@@ -281,7 +283,9 @@ def create_app(state: ServerState) -> FastAPI:
       state.worker.submit(job)
     except QueueFull as e:
       state.metrics.rejected()
-      return _error(503, str(e), type="server_error", code="server_busy")
+      resp = _error(503, str(e), type="server_error", code="server_busy")
+      resp.headers["Retry-After"] = "1"  # Seconds; a slot frees within a reply's time.
+      return resp
     state.metrics.started(job, len(ids))
     reply = _Reply(state, job, req, chat=chat, prompt_text=_echo_text(model, req, ids, chat))
     if req.stream:

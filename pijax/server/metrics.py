@@ -2,7 +2,10 @@
 
 Counters: prompt tokens, cached prompt tokens, generated tokens, requests by finish reason,
 rejected requests. Histograms (seconds): request latency, time to first token, time per output
-token; and the batch size (requests in each batched host pass). Gauges: requests running (slots busy: the batch size of the next decode step), requests
+token; and the batch size (requests in each batched host pass). Gauges: requests running
+(slots busy), requests waiting, slots (--parallel), slots the batch generator holds (decoding
+or being prefilled; 0 when idle: what a soak checks for leaks), and the process's resident
+memory (prometheus_client's process collector: process_resident_memory_bytes). Gauges: requests running (slots busy: the batch size of the next decode step), requests
 waiting, and slots (requests decoded together at most, --parallel). Names follow vLLM's and llama-server's metrics.
 """
 
@@ -11,7 +14,8 @@ from __future__ import annotations
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -50,6 +54,9 @@ class Metrics:
                          registry=r)
     self.slots = Gauge("pijax_slots", "Requests decoded together at most (--parallel).",
                        registry=r)
+    self.slots_live = Gauge("pijax_slots_live", "Slots the batch generator holds (a request "
+                            "decoding or being prefilled).", registry=r)
+    ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds.
     self._first = set()
     self._lock = threading.Lock()
 
@@ -78,8 +85,10 @@ class Metrics:
     if finish_reason not in ("error", "cancelled"):
       self.latency.observe(time.perf_counter() - job.submitted)
 
-  def render(self, *, waiting: int, running: int, slots: int = 0) -> tuple[bytes, str]:
+  def render(self, *, waiting: int, running: int, slots: int = 0,
+             slots_live: int = 0) -> tuple[bytes, str]:
     """(Prometheus text exposition, its content type)."""
+    self.slots_live.set(slots_live)
     self.waiting.set(waiting)
     self.running.set(running)
     self.slots.set(slots)

@@ -204,6 +204,14 @@ class Worker:
       return len(self._running)
 
   @property
+  def slots_live(self) -> int:
+    """Slots the batch generator holds (decoding or being prefilled); the one-at-a-time path:
+    jobs running. 0 when idle (a slot held then is a leak)."""
+    if self._batch is None:
+      return self.running
+    return self._batch.n_live
+
+  @property
   def waiting(self) -> int:
     """Jobs queued for a slot (cancelled ones and ones about to start not counted)."""
     with self._cond:
