@@ -27,6 +27,7 @@ import numpy as np
 
 from pijax import sampling as sampling_lib
 from pijax.errors import ConfigError
+from pijax.measure import tables
 
 
 @dataclasses.dataclass
@@ -287,13 +288,12 @@ def bench_parallel(model, n_prompt: int, n_gen: int, reps: int, batches: list[in
 
 
 def format_markdown(rows: list[dict[str, Any]]) -> str:
-  out = ["| model | size | params | weights | backend | threads | mode | test | t/s |",
-         "| --- | ---: | ---: | --- | --- | ---: | --- | --- | ---: |"]
-  for r in rows:
-    out.append(f"| {r['model'].split('/')[-1]} | {r['size_gib']:.2f} GiB | "
-               f"{r['params_m']:.1f} M | {r.get('weights', '')} | {r['backend']} | "
-               f"{r['threads']} | {r['mode']} | "
-               f"{r['test']} | {r['t_s_mean']:.2f} ± {r['t_s_sd']:.2f} |")
+  out = tables.markdown_table(
+      ("model", "size", "params", "weights", "backend", "threads", "mode", "test", "t/s"),
+      "lrrllrllr",
+      ([r["model"].split("/")[-1], f"{r['size_gib']:.2f} GiB", f"{r['params_m']:.1f} M",
+        f"{r.get('weights', '')}", f"{r['backend']}", f"{r['threads']}", f"{r['mode']}",
+        f"{r['test']}", f"{r['t_s_mean']:.2f} ± {r['t_s_sd']:.2f}"] for r in rows))
   for r in rows:
     if "n_parallel" in r:
       ratio = f", {r['vs_parallel_1']:.2f}x B=1" if "vs_parallel_1" in r else ""

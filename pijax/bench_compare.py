@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from typing import Any, Sequence
@@ -27,6 +26,8 @@ import numpy as np
 
 from pijax import bench as bench_lib
 from pijax.errors import ConfigError, PijaxError
+from pijax.measure import machine
+from pijax.measure import tables
 
 MISSING_LLAMA_CPP = ("llama-cpp-python is not installed: run `make bench-compare` "
                      "(installs the compare extra)")
@@ -155,22 +156,7 @@ def compare_rows(pijax_rows: Sequence[dict[str, Any]],
 
 def machine_name() -> str:
   """lscpu's "Model name" (else /proc/cpuinfo's "model name", else platform's guess)."""
-  try:
-    text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
-                          env=dict(os.environ, LC_ALL="C")).stdout
-    for line in text.splitlines():
-      if line.startswith("Model name:"):
-        return line.split(":", 1)[1].strip()
-  except (OSError, subprocess.SubprocessError):
-    pass
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.lower().startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine() or "unknown"
+  return machine.cpu_name() or platform.processor() or platform.machine() or "unknown"
 
 
 def header(info: dict[str, Any]) -> str:
@@ -185,13 +171,13 @@ def header(info: dict[str, Any]) -> str:
 
 def format_markdown(info: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
   """Header line, llama.cpp's system info line, then | test | pijax | llama.cpp | ratio |."""
-  out = [header(info), f"llama.cpp system info: {info['llama_cpp_system_info']}", "",
-         "| test | pijax t/s | llama.cpp t/s | ratio (pijax / llama.cpp) |",
-         "| --- | ---: | ---: | ---: |"]
-  for r in rows:
-    out.append(f"| {r['test']} | {r['pijax_t_s']:.2f} ± {r['pijax_t_s_sd']:.2f} | "
-               f"{r['llama_cpp_t_s']:.2f} ± {r['llama_cpp_t_s_sd']:.2f} | {r['ratio']:.3f} |")
-  return "\n".join(out)
+  table = tables.markdown_table(
+      ("test", "pijax t/s", "llama.cpp t/s", "ratio (pijax / llama.cpp)"), "lrrr",
+      ([f"{r['test']}", f"{r['pijax_t_s']:.2f} ± {r['pijax_t_s_sd']:.2f}",
+        f"{r['llama_cpp_t_s']:.2f} ± {r['llama_cpp_t_s_sd']:.2f}", f"{r['ratio']:.3f}"]
+       for r in rows))
+  return "\n".join([header(info), f"llama.cpp system info: {info['llama_cpp_system_info']}", "",
+                    *table])
 
 
 def run(model, llm, *, n_prompt: int, n_gen: int, reps: int, threads: int,

@@ -7,8 +7,8 @@ Q6_K) one LLaMA-7B up-projection-shaped matrix [11008, 4096] of random blocks is
 b activation rows: b = 1 is decode (every weight read once per token: the copies are cycled
 through `--cold_mb` of memory so they come from DRAM), b = 8 batched decode, b = 128 prefill
 (both from cache: arithmetic bound). Each row: weights x b / s in 10^9 (G weights/s), and for
-b = 1 the file bytes read per second (GB/s) beside `bench_ops.read_bandwidth`'s pass over the
-same memory. Activation quantization is included (it runs once per matmul).
+b = 1 the file bytes read per second (GB/s) beside `pijax.measure.bandwidth.read_bandwidth`'s
+pass over the same memory. Activation quantization is included (it runs once per matmul).
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def main(argv: list[str]) -> None:
   del argv
   from absl import flags
   from host_ops import qpack
-  from pijax import bench_ops
+  from pijax.measure import bandwidth as bandwidth_lib
+  from pijax.measure import tables
   f = flags.FLAGS
   try:
     rows = [int(r) for r in f.rows]
@@ -99,7 +100,7 @@ def main(argv: list[str]) -> None:
                       "machine's memory; 0: every row from cache).")
   cold = f.cold_mb * 1e6
   # 0: b = 1 from cache too (the arithmetic's own speed); no bandwidth to compare with.
-  bandwidth = bench_ops.read_bandwidth(cold, f.threads) if cold else float("nan")
+  bandwidth = bandwidth_lib.read_bandwidth(cold, f.threads) if cold else float("nan")
   table = [kernel_rate(k, r, f.threads, cold, f.seconds) for k in kinds for r in rows]
   if f.output == "json":
     sys.stdout.write(json.dumps({"threads": f.threads, "read_gb_s": bandwidth if cold else None,
@@ -108,15 +109,16 @@ def main(argv: list[str]) -> None:
     return
   read = (f"read bandwidth {bandwidth:.1f} GB/s (bench_ops pass over {f.cold_mb:.0f} MB)"
           if cold else "every row from cache (--cold_mb 0)")
-  lines = [f"threads {f.threads}, [{SHAPE[0]}, {SHAPE[1]}] per kind, {read}", "",
-           "| kind | " + " | ".join(f"b={r} G weights/s" for r in rows) + " | b=1 GB/s |",
-           "| --- |" + " ---: |" * (len(rows) + 1)]
+  cells = []
   for k in kinds:
     mine = [t for t in table if t["kind"] == k]
     one = [t["gb_s"] for t in mine if t["rows"] == 1]
     share = f" ({100 * one[0] / bandwidth:.0f}%)" if one and cold else ""
-    tail = f" | {one[0]:.1f}{share} |" if one else " | - |"
-    lines.append(f"| {k} | " + " | ".join(f"{t['g_weights_s']:.1f}" for t in mine) + tail)
+    cells.append([k, *(f"{t['g_weights_s']:.1f}" for t in mine),
+                  f"{one[0]:.1f}{share}" if one else "-"])
+  lines = [f"threads {f.threads}, [{SHAPE[0]}, {SHAPE[1]}] per kind, {read}", "",
+           *tables.markdown_table(["kind", *(f"b={r} G weights/s" for r in rows), "b=1 GB/s"],
+                                  "l" + "r" * (len(rows) + 1), cells)]
   sys.stdout.write("\n".join(lines) + "\n")
 
 

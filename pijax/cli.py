@@ -32,6 +32,20 @@ def parse_ints(text: str, name: str) -> list[int]:
   return values
 
 
+def read_text(path: str, what: str = "the text") -> str:
+  """The UTF-8 text of a file named on the command line.
+
+  Raises:
+    ConfigError: `<path>: cannot read <what> (<why>).` when it cannot be opened or decoded.
+  """
+  from pijax.errors import ConfigError
+  try:
+    with open(path, encoding="utf-8") as fh:
+      return fh.read()
+  except (OSError, UnicodeDecodeError) as err:
+    raise ConfigError(f"{path}: cannot read {what} ({err}).") from None
+
+
 def config_value(holder):
   """The value of a config_flags holder; a missing or broken config file -> ConfigError."""
   from pijax.errors import ConfigError

@@ -113,6 +113,7 @@ def main(argv: list[str]) -> None:
   import math
   from absl import flags
   import pijax
+  from pijax import cli
   f = flags.FLAGS
   if f.max_tokens < 1 or f.chunk_len < 8:
     raise ConfigError(f"--max_tokens={f.max_tokens} must be >= 1 and --chunk_len={f.chunk_len} "
@@ -120,11 +121,7 @@ def main(argv: list[str]) -> None:
   if not (math.isfinite(f.threshold_scale) and f.threshold_scale >= 0):
     raise ConfigError(f"--threshold_scale={f.threshold_scale} must be a finite number >= 0 "
                       "(1 = the calibrated thresholds).")
-  try:
-    with open(f.text, encoding="utf-8") as fh:
-      text = fh.read()
-  except (OSError, UnicodeDecodeError) as err:
-    raise ConfigError(f"{f.text}: cannot read text ({err}).") from None
+  text = cli.read_text(f.text, "text")
   model = pijax.load(f.model, max_seq_len=max(f.chunk_len, 16))
   from pijax.nn import hybrid
   kind = hybrid.resolve_predictor_kind(model, f.predictor_kind)  # Auto: what the runtime runs.

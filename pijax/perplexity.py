@@ -145,6 +145,7 @@ def format_result(result: PerplexityResult, sparse_mode: str) -> str:
 def main(argv: list[str]) -> None:
   from absl import flags
   import pijax
+  from pijax import cli
   from pijax import sparse_flags
   del argv
   f = flags.FLAGS
@@ -172,11 +173,7 @@ def main(argv: list[str]) -> None:
       os.path.samefile(calibration, f.file):
     raise ConfigError(f"--calibration_file={calibration} is the evaluation text (-f): calibrate "
                       "on other text (e.g. ../shared/data/tinyshakespeare/input.txt).")
-  try:
-    with open(f.file, encoding="utf-8") as fh:
-      text = fh.read()
-  except (OSError, UnicodeDecodeError) as err:
-    raise ConfigError(f"{f.file}: cannot read the text ({err}).") from None
+  text = cli.read_text(f.file, "the text")
   model = pijax.load(f.model, max_seq_len=max(f.ctx_size, 16))
   sparse_flags.configure(model, per_token_prefill=True)
   result = perplexity(model, text, n_ctx=f.ctx_size, chunks=f.chunks or None,

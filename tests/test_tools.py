@@ -74,6 +74,8 @@ def test_perplexity_cli_format(shared_dir):
      "--chunk_len=0"),
     ("pijax.eval_predictors", ["--model=default", "--text=README.md", "--max_tokens=-5"],
      "--max_tokens=-5"),
+    ("pijax.eval_predictors", ["--model=default", "--text=/nonexistent.txt"],
+     "/nonexistent.txt: cannot read text"),
     ("pijax.generate", ["--config=configs/smollm2_135m.py", "--prompt=Hi", "--sparse=predictor"],
      "needs a bundle"),
     ("pijax.profile", ["--calibration=README.md", "--out=/tmp/pijax-unused", "--max_tokens=-5"],
