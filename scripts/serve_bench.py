@@ -13,6 +13,12 @@ them:
   req/s completed requests / wall time; out tok/s generated tokens / wall time.
 With --spawn the script starts the server itself (default model, --host_threads as given) on a
 free port and stops it at the end.
+
+`--long_prompt_tokens N` measures instead what a long prompt does to running streams: per
+concurrency c, c streams run (`--max_tokens` each, ignore_eos), and once each has streamed a few
+chunks one request with a ~N-token prompt arrives; it prints the newcomer's TTFT, the longest
+gap between two chunks of a running stream while the newcomer was being prefilled, and the
+running streams' median ITL outside that window (`--prefill_chunk` is passed to a spawned server).
 """
 
 from __future__ import annotations
@@ -78,6 +84,43 @@ async def _run(base: str, prompts: list[str], concurrency: int, max_tokens: int)
   return {"results": results, "wall": wall}
 
 
+async def _gap_run(base: str, shorts: list[str], long_prompt: str, max_tokens: int) -> dict:
+  """c running streams, then one long prompt: its TTFT and the running streams' gaps."""
+  import httpx2 as httpx
+  c = len(shorts)
+  started = asyncio.Event()
+  ready = [0]
+
+  async def stream(client, prompt, n, times, signal):
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    async with client.stream("POST", base + "/v1/completions", json=body) as r:
+      async for line in r.aiter_lines():
+        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+          times.append(time.perf_counter())
+          if signal and len(times) == 3:
+            ready[0] += 1
+            if ready[0] == c:
+              started.set()
+
+  async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
+    runs = [[] for _ in shorts]
+    tasks = [asyncio.create_task(stream(client, p, max_tokens, t, True))
+             for p, t in zip(shorts, runs)]
+    await started.wait()
+    sent, new = time.perf_counter(), []
+    await stream(client, long_prompt, 4, new, False)
+    await asyncio.gather(*tasks)
+  first = new[0]
+  inside, outside = [], []
+  for times in runs:
+    for a, b in zip(times, times[1:]):
+      (inside if b > sent and a < first else outside).append(b - a)
+  return {"ttft": first - sent, "max_gap": max(inside) if inside else float("nan"),
+          "itl": float(np.median(outside)) if outside else float("nan"),
+          "finished_before": sum(1 for t in runs if t[-1] < first)}
+
+
 def _pct(values, q) -> float:
   return float(np.percentile(np.asarray(values) * 1e3, q)) if len(values) else float("nan")
 
@@ -98,6 +141,9 @@ def main() -> None:
   ap.add_argument("--requests", type=int, default=32)
   ap.add_argument("--max_tokens", type=int, default=128)
   ap.add_argument("--prompt_tokens", type=int, default=128)
+  ap.add_argument("--long_prompt_tokens", type=int, default=0,
+                  help="measure running streams' gaps while a prompt this long arrives")
+  ap.add_argument("--prefill_chunk", type=int, default=None, help="passed to --spawn's server")
   args = ap.parse_args()
   proc = None
   base = args.base_url
@@ -107,6 +153,8 @@ def main() -> None:
            f"--max_queue={max(16, args.requests)}"]
     if args.host_threads:
       cmd.append(f"--host_threads={args.host_threads}")
+    if args.prefill_chunk:
+      cmd.append(f"--prefill_chunk={args.prefill_chunk}")
     import tempfile
     log = tempfile.NamedTemporaryFile("w+", prefix="serve_bench-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -129,6 +177,18 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     all_prompts = _passages(args.requests * (len(levels) + 1), words)
     asyncio.run(_run(base, all_prompts[:2], 1, 8))  # Warm-up: compile the prompt bucket.
+    if args.long_prompt_tokens:
+      long_words = int(args.long_prompt_tokens * 0.75)
+      print("| running streams | newcomer prompt words | newcomer TTFT ms | longest gap ms "
+            "| ITL p50 ms (outside) |")
+      print("| ---: | ---: | ---: | ---: | ---: |")
+      for i, c in enumerate(levels):
+        long_prompt = _passages(len(levels) + 1, long_words)[i + 1]  # A new one each time.
+        out = asyncio.run(_gap_run(base, all_prompts[i * c:(i + 1) * c], long_prompt,
+                                   args.max_tokens))
+        print(f"| {c} | {long_words} | {out['ttft'] * 1e3:.0f} | {out['max_gap'] * 1e3:.0f} "
+              f"| {out['itl'] * 1e3:.1f} |", flush=True)
+      return
     print(f"| clients | requests | req/s | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
           f"| ITL p50 / p99 ms | prompt / output tokens (mean) |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
