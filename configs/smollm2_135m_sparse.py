@@ -15,7 +15,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.max_seq_len = 2048
   config.ffn_activation = ""
   config.max_new_tokens = 64
-  config.sparse = "predictor"  # off | oracle | predictor
+  config.sparse = "predictor"  # off | oracle | predictor (a bundle); gate | contribution (a GGUF)
   config.hot_ratio = ml_collections.config_dict.placeholder(float)  # Fraction of neurons hot.
   config.device_budget_gb = ml_collections.config_dict.placeholder(float)  # Re-place budget.
   config.host_threads = 2  # numba threads for the cold neurons.

@@ -188,8 +188,8 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
   switch = None
   if interleave_dense:
     if model.sparse_mode not in ("gate", "contribution") or not n_gen:
-      raise ConfigError("--interleave_dense times the dense FFN beside --gate_sparse decode: "
-                        "add --gate_sparse (host weights) and -n > 0, or drop it.")
+      raise ConfigError("--interleave_dense times the dense FFN beside --sparse=gate|contribution "
+                        "decode: add --sparse=gate or contribution and -n > 0, or drop it.")
     dec = model.backend.decoder
     cuts, down, ccuts = list(dec.gate_cuts), dec.down_format, dec.contribution_cuts
     switch = lambda sparse: dec.enable_gated(cuts, down, ccuts) if sparse else \
@@ -332,7 +332,7 @@ def define_flags(threads_help: str = "Host threads (numba; XLA uses every core).
   flags.DEFINE_integer("repetitions", 5, "Timed repetitions after one warm-up.", short_name="r")
   flags.DEFINE_integer("threads", None, threads_help, short_name="t")
   flags.DEFINE_string("output", "md", "md or json.", short_name="o")
-  flags.DEFINE_bool("interleave_dense", False, "With --gate_sparse: also time the same loaded "
+  flags.DEFINE_bool("interleave_dense", False, "With --sparse=gate|contribution: also time the same loaded "
                     "model's dense FFN, alternating repetitions in this process, and print the "
                     "sparse/dense ratio (steadier than two runs on a noisy machine).")
 
@@ -422,7 +422,7 @@ if __name__ == "__main__":
   absl_flags.DEFINE_bool("profile_layers", False, "Host weights: also print the microseconds "
                          "per layer and token of each phase of the layer loop (q/k/v, "
                          "attention, output, gate, up, down; the up and down passes with "
-                         "--gate_sparse), from the CPU's cycle counter.")
+                         "--sparse=gate|contribution), from the CPU's cycle counter.")
   absl_flags.DEFINE_list("parallel", [], "Host weights: aggregate decode tokens/s of B "
                          "sequences decoded together for each B given (e.g. 1,2,4,8; "
                          "llama-batched-bench's -npl), each after its own -p token prompt.")

@@ -274,7 +274,7 @@ class Model:
   @property
   def sparse_mode(self) -> str:
     """"off", the hybrid modes ("oracle", "predictor"), or "gate" / "contribution" (host
-    weights, gate-first; --gate_rule)."""
+    weights cut at run time; `pijax.sparse_modes`)."""
     return self.backend.mode
 
   @property
@@ -292,8 +292,20 @@ class Model:
     return self.host_weights
 
   def configure_sparse(self, mode: str = "off", **options) -> None:
-    """Dense ("off"), "oracle" or "predictor" execution of a bundle's FFNs; see
-    `pijax.backends.hybrid.for_model` for the options and errors."""
+    """Sets the FFN execution by `pijax.sparse_modes`' vocabulary: "off" (dense), "gate" or
+    "contribution" (a plain GGUF's host weights cut at run time; options as
+    `configure_host_weights`' gate_sparsity, calibration_file, gate_down, dot, weights), or a
+    bundle's "oracle" / "predictor" (options and errors: `pijax.backends.hybrid.for_model`).
+
+    Raises:
+      ConfigError: a mode that does not fit this model (`sparse_modes.check`), bad options.
+    """
+    from pijax import sparse_modes
+    sparse_modes.check(mode, bundle=self.sparse is not None)
+    if mode in sparse_modes.HOST_MODES:
+      self.configure_host_weights(options.pop("weights", "auto"), gate_sparse=True,
+                                  gate_rule=mode, **options)
+      return
     from pijax.backends import hybrid
     self.use_backend(hybrid.for_model(self, mode, **options))
 

@@ -10,9 +10,13 @@ from typing import Any
 import jax
 from absl import flags
 
-SPARSE = flags.DEFINE_enum("sparse", None, ["off", "oracle", "predictor"],
-                           "FFN execution: off = dense; oracle = true active sets computed "
-                           "densely (correctness); predictor = the predictors (the real thing).")
+from pijax import sparse_modes
+
+SPARSE = flags.DEFINE_enum("sparse", None, list(sparse_modes.MODES),
+                           "FFN execution (pijax.sparse_modes): off = dense; gate / "
+                           "contribution = a GGUF's host weights cut at run time by |act(gate)| "
+                           "/ by |act(gate) * up|; oracle = a bundle's true active sets "
+                           "(correctness); predictor = a bundle's predictors.")
 # Forward passes over this many tokens or more compute every neuron: on dev-2c (SmolLM2,
 # low-bit predictor, hot_ratio 0) per-token sets win at 1-2 tokens and lose from 3 on, where
 # the union of the tokens' active sets is already 85% of the neurons (BUILD_NOTES.md, issue 4;
@@ -56,26 +60,22 @@ HOST_DOT = flags.DEFINE_enum(
     "activations (f32: the f32 path's values up to summation order, slower).")
 
 
-GATE_SPARSE = flags.DEFINE_bool(
-    "gate_sparse", None, "Host weights: gate-first sparse FFN (only neurons the gate marks active "
-    "read their up and down rows; ReGLU/dReLU exact, SwiGLU with calibrated cuts).")
-GATE_SPARSITY = flags.DEFINE_float("gate_sparsity", None, "SwiGLU with --gate_sparse: target "
-                                   "fraction of FFN neurons skipped (default 0.5).")
-CALIBRATION_FILE = flags.DEFINE_string("calibration_file", None, "Text to calibrate "
-                                       "--gate_sparse cuts on (not the evaluation text).")
+# Replaced by --sparse=gate|contribution; kept so that an old command line gets one line saying so.
+_REMOVED = {"gate_sparse": flags.DEFINE_bool("gate_sparse", None, "Removed: use --sparse=gate."),
+            "gate_rule": flags.DEFINE_string("gate_rule", None, "Removed: use --sparse=gate or "
+                                             "--sparse=contribution.")}
+GATE_SPARSITY = flags.DEFINE_float("gate_sparsity", None, "--sparse=gate on SwiGLU, "
+                                   "--sparse=contribution: target fraction of FFN neurons "
+                                   "skipped (default 0.5).")
+CALIBRATION_FILE = flags.DEFINE_string("calibration_file", None, "Text to calibrate the "
+                                       "--sparse=gate|contribution cuts on (not the evaluation "
+                                       "text).")
 GATE_DOWN = flags.DEFINE_enum(
-    "gate_down", None, ["q8_0", "q4_1", "file"], "With --gate_sparse: the format of the "
+    "gate_down", None, ["q8_0", "q4_1", "file"], "With --sparse=gate|contribution: the format of the "
     "neuron-major down rows: file (the default for Q4_1 files: the file's own blocks "
     "transposed, exact, 16 bytes per 32 weights of an active neuron plus 4 for the scales), "
     "or re-quantized from the file's values: q8_0 (the default for other files; close to the "
     "file) or q4_1 (a second 4-bit rounding: SmolLM2 perplexity +5%).")
-
-GATE_RULE = flags.DEFINE_enum(
-    "gate_rule", None, ["gate", "contribution"], "With --gate_sparse: what the calibrated cuts "
-    "apply to: gate (the default; |silu(gate . h)|, skipped neurons read neither up nor down "
-    "rows) or contribution (|silu(gate . h) * up . h|: every up row read, only down rows "
-    "skipped; much closer to dense at the same sparsity).")
-
 
 def _number(value) -> bool:
   """An int or float that is not NaN (infinities allowed)."""
@@ -137,35 +137,37 @@ def check(cfg: Any = None, model: str | None = None) -> None:
     value = flag.value if name is None else pick(flag, name)
     if value is not None and not valid(value):
       raise ConfigError(f"--{flag.name}={value} must be {what}.")
-  # Combinations known to be refused, refused before a model loads (a server would otherwise
-  # load and compile first).
+  for name, flag in _REMOVED.items():  # Old spellings: one line naming the new flag.
+    if flag.value is not None or get(name) is not None:
+      raise ConfigError(f"--{name} was replaced: use {sparse_modes.REMOVED_FLAGS[name]}.")
+  # The mode against the model (a bundle or a plain GGUF) and the combinations refused, all
+  # before a model loads (a server would otherwise load and compile first).
+  mode = pick(SPARSE, "sparse") or sparse_modes.OFF
+  bundle = None
+  if model is not None and model != "default":
+    from pijax.formats import bundle as bundle_lib
+    bundle = bundle_lib.is_bundle(model) if os.path.exists(model) else None
+  elif model == "default":
+    bundle = False
+  sparse_modes.check(mode)  # The mode against the model: last, after the flag combinations.
+  host_mode = mode in sparse_modes.HOST_MODES
   down = pick(GATE_DOWN, "gate_down")
-  if down is not None and not pick(GATE_SPARSE, "gate_sparse"):
-    raise ConfigError(f"--gate_down={down} sets the down rows of --gate_sparse: add "
-                      "--gate_sparse or drop --gate_down.")
-  gate_sparse = pick(GATE_SPARSE, "gate_sparse")
-  rule = pick(GATE_RULE, "gate_rule")
-  if rule is not None and rule not in ("gate", "contribution"):
-    raise ConfigError(f"--gate_rule={rule} must be gate or contribution.")
-  if rule is not None and not gate_sparse:
-    raise ConfigError(f"--gate_rule={rule} says what --gate_sparse cuts on: add --gate_sparse "
-                      "or drop --gate_rule.")
-  given = [f"--{name}" for name, value in (("gate_sparse", gate_sparse), ("gate_rule", rule),
-                                           ("gate_down", down)) if value]
-  mode = pick(SPARSE, "sparse") or "off"
-  if given and mode != "off":
-    raise ConfigError(f"{' / '.join(given)} run on quantized host weights of a plain GGUF; "
-                      f"--sparse={mode} uses its own predictors: drop one of them.")
   calibration = pick(CALIBRATION_FILE, "calibration_file")
   sparsity = pick(GATE_SPARSITY, "gate_sparsity")
-  if gate_sparse and rule == "contribution" and sparsity != 0 and not calibration:
-    raise ConfigError("--gate_rule=contribution calibrates its cuts on text: pass "
+  for flag, name, value in ((GATE_DOWN, "gate_down", down),
+                            (GATE_SPARSITY, "gate_sparsity", sparsity),
+                            (CALIBRATION_FILE, "calibration_file", calibration)):
+    if value is not None and not host_mode:
+      raise ConfigError(f"--{name}={value} sets up --sparse=gate or contribution (this run is "
+                        f"--sparse={mode}): add one of them or drop --{name}.")
+  if mode == sparse_modes.CONTRIBUTION and sparsity != 0 and not calibration:
+    raise ConfigError("--sparse=contribution calibrates its cuts on text: pass "
                       "--calibration_file=FILE (e.g. ../shared/data/tinyshakespeare/input.txt; "
                       "never the evaluation text).")
-  if gate_sparse and calibration and not os.path.isfile(calibration):
+  if host_mode and calibration and not os.path.isfile(calibration):
     raise ConfigError(f"--calibration_file={calibration}: no such file.")
-  if pick(GATE_SPARSE, "gate_sparse") and pick(HOST_WEIGHTS, "host_weights") == "off":
-    raise ConfigError("--gate_sparse runs on quantized host weights, but --host_weights=off "
+  if host_mode and pick(HOST_WEIGHTS, "host_weights") == "off":
+    raise ConfigError(f"--sparse={mode} runs on quantized host weights, but --host_weights=off "
                       "keeps the weights in XLA; drop one of them.")
   if down == "file" and model is not None:  # Else refused only once the weights are loaded.
     types = _file_down_types(model)
@@ -174,12 +176,13 @@ def check(cfg: Any = None, model: str | None = None) -> None:
                         f"down projections are {', '.join(sorted(types))}: use "
                         "--gate_down=q8_0 or q4_1, or drop --gate_down.")
   dot = pick(HOST_DOT, "host_dot")
-  if dot is not None and (pick(SPARSE, "sparse") or "off") != "off":
-    raise ConfigError("--host_dot is for dense runs on host weights of a GGUF; sparse modes and "
-                      "bundles use f32 rows (drop --host_dot).")
+  if dot is not None and mode in sparse_modes.BUNDLE_MODES:
+    raise ConfigError("--host_dot is for runs on host weights of a GGUF; --sparse=oracle and "
+                      "predictor run a bundle's f32 rows (drop --host_dot).")
   if dot is not None and pick(HOST_WEIGHTS, "host_weights") == "off":
     raise ConfigError(f"--host_dot={dot} sets how host weights multiply, but --host_weights=off "
                       "keeps the weights in XLA; drop --host_dot or use --host_weights=gguf.")
+  sparse_modes.check(mode, bundle=bundle)
 
 
 def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> None:
@@ -205,36 +208,31 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
   kind = pick(PREDICTOR_KIND, "predictor_kind") or "auto"
   dense_tokens = pick(PREFILL_DENSE_TOKENS, "prefill_dense_tokens")
   host_weights = pick(HOST_WEIGHTS, "host_weights") or "auto"
-  if mode == "off" and model.sparse is None:
-    # A plain GGUF runs dense; placement flags mean nothing there.
+  if mode in (sparse_modes.OFF,) + sparse_modes.HOST_MODES and model.sparse is None:
+    # A plain GGUF runs dense or host-sparse; placement flags mean nothing there.
     # Silent on purpose: stderr stays one stats line (or one error line); bench and the
     # closing stats name the weights.
     if threads is not None:
       from pijax.backends import host
       host.set_threads(threads)
     sparsity = pick(GATE_SPARSITY, "gate_sparsity")
+    host_mode = mode in sparse_modes.HOST_MODES
     model.configure_host_weights(
-        host_weights, gate_sparse=bool(pick(GATE_SPARSE, "gate_sparse")),
+        host_weights, gate_sparse=host_mode,
         gate_sparsity=0.5 if sparsity is None else sparsity,
         calibration_file=pick(CALIBRATION_FILE, "calibration_file"),
         dot=pick(HOST_DOT, "host_dot"), gate_down=pick(GATE_DOWN, "gate_down"),
-        gate_rule=pick(GATE_RULE, "gate_rule"))
+        gate_rule=mode if host_mode else None)
     return
+  sparse_modes.check(mode, bundle=model.sparse is not None)
   if host_weights not in ("auto", "off"):
     from pijax.errors import ConfigError
-    raise ConfigError(f"--host_weights={host_weights} is for dense runs of a GGUF; sparse "
-                      f"modes and bundles use f32 rows (use --host_weights=off).")
+    raise ConfigError(f"--host_weights={host_weights} is for runs of a GGUF; a bundle's "
+                      f"--sparse modes use f32 rows (use --host_weights=off).")
   if pick(HOST_DOT, "host_dot") is not None:
     from pijax.errors import ConfigError
-    raise ConfigError("--host_dot is for dense runs on host weights of a GGUF; sparse modes and "
-                      "bundles use f32 rows (drop --host_dot).")
-  given = [f"--{name}" for name, flag in (("gate_sparse", GATE_SPARSE), ("gate_rule", GATE_RULE),
-                                          ("gate_down", GATE_DOWN)) if pick(flag, name)]
-  if given:
-    from pijax.errors import ConfigError
-    raise ConfigError(f"{' / '.join(given)} run on quantized host weights of a plain GGUF; "
-                      f"bundles and --sparse modes use their own predictors (drop "
-                      f"{' and '.join(given)}).")
+    raise ConfigError("--host_dot is for runs on host weights of a GGUF; a bundle's --sparse "
+                      "modes use f32 rows (drop --host_dot).")
   if (mode != "off" and model.sparse is not None and hot_ratio is None and budget is None
       and jax.default_backend() == "cpu"):
     # No accelerator: "device" and host are the same CPU and memory, and the host path is the

@@ -778,28 +778,31 @@ def test_host_dot_combinations_refused_before_loading(prog, args):
 
 
 @pytest.mark.parametrize("prog,args,names", [
-    ("pijax.serve", ["--model=default", "--gate_down=q4_1"], ("--gate_down", "--gate_sparse")),
-    ("pijax.bench", ["-m", "default", "--gate_down=q4_1", "--sparse=oracle"],
-     ("--gate_down", "--gate_sparse")),
-    ("pijax.serve", ["--model=default", "--gate_sparse", "--host_weights=off"],
-     ("--gate_sparse", "--host_weights=off")),
-    ("pijax.serve", ["--model=default", "--gate_rule=contribution"],
-     ("--gate_rule", "--gate_sparse")),
-    ("pijax.generate", ["--config=configs/smollm2_135m.py", "--gate_rule=gate", "--prompt=hi"],
-     ("--gate_rule", "--gate_sparse")),
-    ("pijax.serve", ["--model=default", "--gate_sparse", "--gate_rule=contribution"],
-     ("--gate_rule=contribution", "--calibration_file")),
-    ("pijax.serve", ["--model=default", "--gate_sparse", "--gate_rule=contribution",
+    ("pijax.serve", ["--model=default", "--gate_down=q4_1"], ("--gate_down", "--sparse=gate")),
+    ("pijax.bench", ["-m", "default", "--gate_down=q4_1", "--sparse=off"],
+     ("--gate_down", "--sparse=off")),
+    ("pijax.serve", ["--model=default", "--sparse=gate", "--host_weights=off"],
+     ("--sparse=gate", "--host_weights=off")),
+    ("pijax.serve", ["--model=default", "--sparse=contribution"],
+     ("--sparse=contribution", "--calibration_file")),
+    ("pijax.serve", ["--model=default", "--sparse=contribution",
                      "--calibration_file=/nonexistent/cal.txt"], ("--calibration_file",)),
-    ("pijax.serve", ["--model=default", "--gate_sparse", "--gate_rule=contribution",
-                     "--sparse=oracle"], ("--gate_sparse / --gate_rule", "--sparse=oracle")),
+    ("pijax.serve", ["--model=default", "--sparse=oracle"], ("--sparse=oracle", "bundle")),
+    ("pijax.generate", ["--config=configs/smollm2_135m.py", "--sparse=predictor",
+                        "--prompt=hi"], ("--sparse=predictor", "pijax.convert")),
+    # The flags --sparse replaced: one line naming it.
+    ("pijax.serve", ["--model=default", "--gate_sparse"], ("--gate_sparse", "--sparse=gate")),
+    ("pijax.generate", ["--config=configs/smollm2_135m.py", "--gate_rule=gate", "--prompt=hi"],
+     ("--gate_rule", "--sparse=contribution")),
+    ("pijax.bench", ["-m", "default", "--sparse=nope"], ("--sparse",)),
     ("pijax.perplexity", ["-m", "default", "-f", "../shared/data/tinyshakespeare/input.txt",
-                          "--gate_sparse", "--calibration_file=../shared/data/tinyshakespeare/"
+                          "--sparse=gate", "--calibration_file=../shared/data/tinyshakespeare/"
                           "input.txt"], ("--calibration_file", "evaluation text"))])
 def test_gate_flag_combinations_refused_before_loading(prog, args, names):
-  """--gate_down without --gate_sparse, and --gate_sparse with --host_weights=off: one line
-  naming the flags, exit 2, before the server listens (a tester found two lines, the first
-  'listening', and a message about --gate_sparse when only --gate_down was given)."""
+  """One sparse vocabulary (`pijax.sparse_modes`): gate options without --sparse=gate or
+  contribution, a host mode with --host_weights=off, a bundle mode on a plain GGUF, the
+  removed --gate_sparse / --gate_rule: one line naming the flags, exit 2, before the server
+  listens (a tester found two lines, the first 'listening')."""
   proc = _cli("-m", prog, *args)
   assert proc.returncode == 2 and all(n in proc.stderr for n in names), proc.stderr
   assert len(proc.stderr.strip().splitlines()) == 1 and "listening" not in proc.stderr
@@ -812,7 +815,7 @@ def test_file_down_rows_of_another_type_refused_before_loading(tmp_path, prog, m
   weights had loaded, in the server's loader thread)."""
   import tiny_models
   path = tiny_models.write_random_quantized_gguf(tmp_path / "q8.gguf", layer_type="Q8_0")
-  proc = _cli("-m", prog, model_flag, str(path), "--gate_sparse", "--gate_down=file")
+  proc = _cli("-m", prog, model_flag, str(path), "--sparse=gate", "--gate_down=file")
   assert proc.returncode == 2 and "--gate_down=file" in proc.stderr and "Q8_0" in proc.stderr
   assert len(proc.stderr.strip().splitlines()) == 1 and "listening" not in proc.stderr
 

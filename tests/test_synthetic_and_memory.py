@@ -53,10 +53,11 @@ def test_synthetic_drelu_file_runs_sparse_on_host(tmp_path):
 
 
 def test_contribution_rule_on_host_weights(tmp_path, shared_dir):
-  """--gate_rule=contribution through the host backend on the tiny dReLU file: gate cuts 0,
+  """--sparse=contribution through the host backend on the tiny dReLU file: gate cuts 0,
   contribution cuts calibrated on text for a sparsity above dReLU's own (~75%), so fewer
   down rows than exact zeros alone while every g > 0 still reads its up row; the bench's
-  dense/sparse switch keeps the contribution cuts; refused without --gate_sparse."""
+  dense/sparse switch keeps the contribution cuts; refused without the gate-first FFN;
+  `Model.configure_sparse` takes the same words (bundle modes refused on a GGUF)."""
   import pijax
   from pijax import bench
   from pijax.errors import ConfigError
@@ -84,20 +85,26 @@ def test_contribution_rule_on_host_weights(tmp_path, shared_dir):
   assert gate["mode"] == model.sparse_mode == "contribution"
   assert dense["ffn_sparsity"] == 0.0
   for rule, sparse in (("contribution", False), ("nope", True)):
-    with pytest.raises(ConfigError, match="--gate_rule"):
+    with pytest.raises(ConfigError, match="--sparse=gate or --sparse=contribution"):
       model.configure_host_weights("auto", gate_sparse=sparse, gate_rule=rule)
+  # The library's one vocabulary: configure_sparse("contribution") is the same backend.
+  model.configure_sparse("contribution", gate_sparsity=0.5, dot="f32", calibration_file=cal)
+  assert model.sparse_mode == "contribution" and model.backend.decoder.contribution_cuts
+  for mode in ("oracle", "predictor"):
+    with pytest.raises(ConfigError, match="bundle"):
+      model.configure_sparse(mode)
 
 
 def test_bench_interleaves_dense_and_gate_sparse_decode(tmp_path):
-  """`pijax.bench --gate_sparse --interleave_dense` on the tiny dReLU file: a gate row and a
+  """`pijax.bench --sparse=gate --interleave_dense` on the tiny dReLU file: a gate row and a
   dense row from one process, the ratio on the gate row, bytes that count every up row read
   (about half the neurons pass the gate, a quarter are computed); refused without
-  --gate_sparse (exit 2, one line)."""
+  --sparse=gate (exit 2, one line)."""
   path = tmp_path / "syn.gguf"
   synthetic.write(str(path), shape="tiny", qtype="Q4_1", activation="drelu")
   bench = [sys.executable, "-m", "pijax.bench", "-m", str(path), "-p", "0", "-n", "6", "-r", "2",
            "-t", "1"]
-  proc = subprocess.run(bench + ["--gate_sparse", "--interleave_dense", "--profile_layers",
+  proc = subprocess.run(bench + ["--sparse=gate", "--interleave_dense", "--profile_layers",
                                  "-o", "json"],
                         capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -145,7 +152,7 @@ def test_bench_interleaves_dense_and_gate_sparse_decode(tmp_path):
   assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0
   # Q4_1 down rows: 20 bytes per 32 weights of an active neuron, against the default file
   # layout's 16 plus 4 for every neuron's scales.
-  proc = subprocess.run(bench + ["--gate_sparse", "--gate_down=q4_1", "-o", "json"],
+  proc = subprocess.run(bench + ["--sparse=gate", "--gate_down=q4_1", "-o", "json"],
                         capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-2000:]
   (q4,) = json.loads(proc.stdout)
@@ -158,7 +165,7 @@ def test_bench_interleaves_dense_and_gate_sparse_decode(tmp_path):
       rel=0.1)
   proc = subprocess.run(bench + ["--gate_down=q4_1"], capture_output=True, text=True,
                         timeout=600, cwd=ROOT)
-  assert proc.returncode == 2 and "--gate_down" in proc.stderr and "--gate_sparse" in proc.stderr
+  assert proc.returncode == 2 and "--gate_down" in proc.stderr and "--sparse=gate" in proc.stderr
   assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0
   # The file's own Q4_1 blocks (--gate_down=file): dReLU's exact zeros skipped with nothing
   # rounded again, so a decode step equals the dense one up to f32 summation order; bytes:

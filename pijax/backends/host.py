@@ -48,7 +48,7 @@ WEIGHTS_GGUF = "gguf"
 WEIGHTS_Q8_0 = "q8_0"
 WEIGHTS_AUTO = "auto"
 WEIGHT_CHOICES = (WEIGHTS_AUTO, WEIGHTS_OFF, WEIGHTS_GGUF, WEIGHTS_Q8_0)
-# What --gate_sparse's calibrated cuts apply to (`build`).
+# What the calibrated cuts of --sparse=gate|contribution apply to (`build`).
 GATE_RULE_GATE = "gate"
 GATE_RULE_CONTRIBUTION = "contribution"
 GATE_RULES = (GATE_RULE_GATE, GATE_RULE_CONTRIBUTION)
@@ -408,8 +408,8 @@ def calibration_chunks(model, path: str | None, n_chunks: int = 8, length: int =
     ConfigError: no file given, unreadable, or too short.
   """
   if not path:
-    raise ConfigError("--gate_sparse calibrates its cuts on text (SwiGLU, or "
-                      "--gate_rule=contribution with --gate_sparsity > 0): pass "
+    raise ConfigError("--sparse=gate on SwiGLU and --sparse=contribution calibrate their cuts "
+                      "on text (unless --gate_sparsity=0): pass "
                       "--calibration_file=FILE (e.g. ../shared/data/tinyshakespeare/input.txt; "
                       "never the evaluation text).")
   try:
@@ -471,18 +471,19 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
                       "the weights in XLA (--host_weights=off, a non-float32 dtype or a "
                       "GGUF with other types); drop --host_dot or use --host_weights=gguf.")
   if gate_down is not None and (not gate_sparse or gate_down not in gated_ffn.DOWN_KINDS):
-    raise ConfigError(f"--gate_down={gate_down} sets the down rows of --gate_sparse: use one of "
-                      f"{', '.join(gated_ffn.DOWN_KINDS)} with --gate_sparse, or drop it.")
+    raise ConfigError(f"--gate_down={gate_down} sets the down rows of --sparse=gate or "
+                      f"contribution: use one of {', '.join(gated_ffn.DOWN_KINDS)} with one of "
+                      "them, or drop it.")
   gate_rule = GATE_RULE_GATE if gate_rule is None else gate_rule
   if gate_rule not in GATE_RULES or (gate_rule != GATE_RULE_GATE and not gate_sparse):
-    raise ConfigError(f"--gate_rule={gate_rule} says what --gate_sparse cuts on: use one of "
-                      f"{', '.join(GATE_RULES)} with --gate_sparse, or drop it.")
+    raise ConfigError(f"sparse rule {gate_rule!r}: use --sparse=gate or --sparse=contribution "
+                      f"(rules: {', '.join(GATE_RULES)}).")
   if gate_sparse and weights == WEIGHTS_OFF:
-    raise ConfigError("--gate_sparse runs on quantized host weights: add --host_weights=gguf "
-                      "(or q8_0); it needs a plain GGUF.")
+    raise ConfigError(f"--sparse={gate_rule} runs on quantized host weights: add "
+                      "--host_weights=gguf (or q8_0); it needs a plain GGUF.")
   if gate_sparse and model.config.ffn_family not in ("swiglu", "reglu", "drelu"):
-    raise ConfigError(f"--gate_sparse skips neurons by their gate (SwiGLU, ReGLU, dReLU FFNs); "
-                      f"this model's FFN is {model.config.ffn_family}: drop --gate_sparse.")
+    raise ConfigError(f"--sparse={gate_rule} skips neurons by their gate (SwiGLU, ReGLU, dReLU "
+                      f"FFNs); this model's FFN is {model.config.ffn_family}: use --sparse=off.")
   if weights == WEIGHTS_OFF:
     return xla.XlaBackend(model.config, model.params, model.dtype)
   chunks = None

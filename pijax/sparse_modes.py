@@ -1,0 +1,49 @@
+"""One sparse vocabulary for every CLI (`--sparse=`) and the library (`Model.configure_sparse`).
+
+  off           dense.
+  oracle        a bundle's true active sets, computed densely (the correctness reference).
+  gate          a plain GGUF's quantized host weights, gate-first: a neuron whose |act(gate)|
+                is under its layer's cut reads neither its up nor its down row (ReGLU/dReLU:
+                the exact zeros; SwiGLU: cuts calibrated on text for a target sparsity).
+  contribution  the same host weights, cut on the exact contribution |act(gate) * up|: every
+                up row is read, only the down rows of small contributions are skipped.
+  predictor     a bundle's predictors say which neurons fire (PowerInfer's runtime).
+
+`check` is the one place that says which mode fits which model; the CLIs call it before a
+model loads (from the path), `Model.configure_sparse` after.
+"""
+
+from __future__ import annotations
+
+from pijax.errors import ConfigError
+
+OFF, ORACLE, GATE, CONTRIBUTION, PREDICTOR = "off", "oracle", "gate", "contribution", "predictor"
+MODES = (OFF, ORACLE, GATE, CONTRIBUTION, PREDICTOR)
+HOST_MODES = (GATE, CONTRIBUTION)  # A plain GGUF's host weights, cut at run time.
+BUNDLE_MODES = (ORACLE, PREDICTOR)  # A bundle from `pijax.convert` (its statistics, predictors).
+# Flags that were replaced by --sparse (one line saying what to use instead).
+REMOVED_FLAGS = {"gate_sparse": "--sparse=gate",
+                 "gate_rule": "--sparse=gate or --sparse=contribution"}
+
+
+def check(mode: str, *, bundle: bool | None = None) -> str:
+  """mode if it is one of MODES and fits the model, else ConfigError in one line.
+
+  Args:
+    mode: one of MODES.
+    bundle: whether the model is a bundle folder (None: not known yet).
+
+  Raises:
+    ConfigError: an unknown mode; gate / contribution on a bundle; oracle / predictor on a
+      plain GGUF.
+  """
+  if mode not in MODES:
+    raise ConfigError(f"--sparse={mode!r} must be one of {', '.join(MODES)}.")
+  if bundle is True and mode in HOST_MODES:
+    raise ConfigError(f"--sparse={mode} cuts a plain GGUF's host weights at run time; a bundle "
+                      f"runs --sparse=predictor or oracle (or give its source GGUF for {mode}).")
+  if bundle is False and mode in BUNDLE_MODES:
+    raise ConfigError(f"--sparse={mode} needs a bundle's predictors and statistics: make one "
+                      "with `python -m pijax.convert` (or use --sparse=gate or contribution "
+                      "on this GGUF).")
+  return mode
