@@ -298,7 +298,7 @@ def _read_all(buf, n_threads):
     whole = lo + (hi - lo) // _LINE_INT64 * _LINE_INT64
     for line in range(lo, whole, _LINE_INT64):
       if line + _READ_AHEAD < hi:
-        host_common._prefetch(buf, line + _READ_AHEAD)
+        host_common.prefetch(buf, line + _READ_AHEAD)
       for k in range(_LINE_INT64):
         acc += buf[line + k]
     for i in range(whole, hi):
@@ -654,7 +654,7 @@ DOWN_ACTIVE = (0.25, 0.5, 1.0)  # Fractions of neurons active in the down-pass t
 
 @dataclasses.dataclass
 class DownPassRow:
-  """One row of the sparse down pass (`host_ops.gated_ffn._down_pass`): neuron-major rows of a
+  """One row of the sparse down pass (`host_ops.gated_ffn.down_pass`): neuron-major rows of a
   format, a fraction of them active, against the dense Q4_1 down matvec of the same shape."""
 
   shape: str
@@ -712,7 +712,7 @@ def run_down_pass(opts: Options, read_gb_s: float | None, log=None) -> list[Down
         acts = np.zeros((1, n), np.float32)
         acts[0, rng.choice(n, k, replace=False)] = rng.standard_normal(k).astype(np.float32)
         for dot in dots:
-          t = _time_calls(lambda i: gated_ffn._down_pass(
+          t = _time_calls(lambda i: gated_ffn.down_pass(
               acts, mats[i].arrays, opts.threads, np.int64(qmatmul.BLOCK),
               dot == qmatmul.DOT_INT8), len(mats), opts.seconds)
           gb_s = (k * per_row + fixed) / t / 1e9
