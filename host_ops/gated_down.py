@@ -351,7 +351,8 @@ def _add_block_file_codegen():
       for first, stop in spans:
         for h in range(2):
           builder.store(ir.Constant(v16, [0] * 16), i16_p[h])
-        with cgutils.for_range_slice(builder, first, stop, ir.Constant(n_pairs.type, 1)) as (pair, _):
+        with cgutils.for_range_slice(builder, first, stop,
+                                     ir.Constant(n_pairs.type, 1)) as (pair, _):
           raw = [_load(builder, builder.load(builder.gep(rows_p, [builder.add(
               builder.mul(pair, ir.Constant(pair.type, 2)), ir.Constant(pair.type, k))])), off,
               vec(_I8, 16)) for k in (0, 1)]
@@ -463,7 +464,7 @@ def _down_threads_file(acts, ids, counts, qs, dm, partials, n_threads):
 
 class FileDownRows:
   """The file's Q4_1 down matrix [D, F] held neuron-major without re-rounding (the comment
-  above `_add_group_file`): codes u8[F, D/2] and dm u16[F/32, 2, D] (f16 bits of d and m).
+  above `_add_block_file_next`): codes u8[F, D/2] and dm u16[F/32, 2, D] (f16 bits of d and m).
 
   Bytes: 16 per 32 weights of each active neuron plus 4 per 32 weights always (the scales),
   against 20 per 32 dense: skipping 48% of the neurons saves 38% of the down bytes, where
