@@ -14,7 +14,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "active")
 os.environ.setdefault("GOMP_SPINCOUNT", "2000000")
 
-from host_ops import _cache  # noqa: E402
+from host_ops import _cache  # noqa: E402  (the package's own private module: only here)
 
 # Before any kernel module is imported: their cache entries are keyed on all of host_ops.
 _cache.install()

@@ -49,16 +49,16 @@ _LN2_LO = np.float32(1.428606765330187e-06)
 
 # error_model "numpy": a float division by zero gives inf/nan (as NumPy) instead of raising
 # ZeroDivisionError out of a kernel (seen with NaN weights in a corrupt file).
-_JIT = dict(nogil=True, fastmath=True, cache=True, error_model="numpy")
+JIT = dict(nogil=True, fastmath=True, cache=True, error_model="numpy")
 # fastmath without reassoc and contract (and without nnan/ninf: -inf is a value here): for
 # kernels inside parallel regions whose results must not depend on how LLVM optimized them.
 # numba re-optimizes a parallel kernel's gufunc where a caller links it, and caches that copy,
 # while the process that compiled it runs the first one; with reassoc the two sum in other
 # orders (BUILD_NOTES.md, issue 11, "Compiled in-process or loaded ...").
-_JIT_ORDERED = dict(_JIT, fastmath={"nsz", "arcp", "afn"})
+JIT_ORDERED = dict(JIT, fastmath={"nsz", "arcp", "afn"})
 # Activations compile without fastmath: their bits must not depend on whether LLVM vectorized
 # the caller's loop (the sparse FFN's per-neuron activations equal the dense loop's).
-_JIT_IEEE = dict(_JIT, fastmath=False)
+JIT_IEEE = dict(JIT, fastmath=False)
 
 # Software prefetch of the next active neuron's rows: PREFETCH_AHEAD neurons ahead in a thread's
 # range (0 = off; read at each call), the first PREFETCH_BYTES of each row and Q8 scale row (fixed
@@ -142,7 +142,7 @@ def ensure_host_threads() -> int:
 
 
 def _prefetch_codegen(locality):
-  """LLVM IR of a prefetch of arr[idx] at `locality` (`_prefetch`, `_prefetch_l2`)."""
+  """LLVM IR of a prefetch of arr[idx] at `locality` (`prefetch`, `prefetch_l2`)."""
 
   def codegen(context, builder, signature, args):
     aryty, _ = signature.args
@@ -155,15 +155,15 @@ def _prefetch_codegen(locality):
 
 
 @intrinsic
-def _prefetch(typingctx, arr, idx):
+def prefetch(typingctx, arr, idx):
   """Hints the CPU to load the cache line holding arr[idx] (1-D array) for reading; no effect on
   results and no fault on any address (llvm.prefetch, read, into L1, data cache)."""
   return types.void(arr, idx), _prefetch_codegen(LOCALITY_L1)
 
 
 @intrinsic
-def _prefetch_l2(typingctx, arr, idx):
-  """`_prefetch` into L2 (`prefetcht1`): for rows that would evict from L1 what is read next."""
+def prefetch_l2(typingctx, arr, idx):
+  """`prefetch` into L2 (`prefetcht1`): for rows that would evict from L1 what is read next."""
   return types.void(arr, idx), _prefetch_codegen(LOCALITY_L2)
 
 
@@ -222,7 +222,7 @@ def cycle_counter(typingctx):
   return types.int64(), codegen
 
 
-@numba.njit(**_JIT)
+@numba.njit(**JIT)
 def read_cycle_counter():
   """`cycle_counter` from Python (to convert counts to seconds)."""
   return cycle_counter()
@@ -274,32 +274,40 @@ def stack_aligned(parts) -> np.ndarray:
   return out
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **JIT)
 def prefetch_row(row):
   """Prefetches every cache line of a contiguous 1-D row (any dtype): the next row a thread
   reads. From DRAM the 7B-shaped Q4_1 gate matvec went from 24.8 to 34.6 G weights/s with it,
   the down matvec from 22.7 to 24.9 (2 threads; two rows ahead or more gained less)."""
   step = max(_CACHE_LINE // row.itemsize, 1)
   for e in range(0, row.shape[0], step):
-    _prefetch(row, e)
+    prefetch(row, e)
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **JIT)
 def prefetch_row_l2(row):
   """`prefetch_row` into L2 (the rows of matvecs that `far_rows` picks)."""
   step = max(_CACHE_LINE // row.itemsize, 1)
   for e in range(0, row.shape[0], step):
-    _prefetch_l2(row, e)
+    prefetch_l2(row, e)
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **JIT)
+def prefetch_at(ids, j, hi, rows):
+  """Prefetches every cache line of rows[ids[j]] (nothing once j >= hi): a row some neurons
+  ahead in a thread's share [.., hi) of an id list (the gate-first FFN's passes)."""
+  if j < hi:
+    prefetch_row(rows[ids[j]])
+
+
+@numba.njit(inline="always", **JIT)
 def far_rows(dim, code_bytes):
   """True when a matvec over D = dim int8 activations and rows of code_bytes prefetches into L2
   (FAR_BYTES)."""
   return dim + 2 * code_bytes > FAR_BYTES
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **JIT)
 def far_gather(code_bytes):
   """True when a gathered pass over rows of code_bytes (only some rows read, in increasing
   order) prefetches into L2. 7B Q4_1 up rows (2048 code bytes), 50% read, from DRAM, L2 / L1
@@ -308,12 +316,12 @@ def far_gather(code_bytes):
   return code_bytes >= GATHER_FAR_BYTES
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **JIT)
 def prefetch_head(row):
   """Prefetches the first PREFETCH_BYTES of a contiguous 1-D row (any dtype)."""
   step = max(_CACHE_LINE // row.itemsize, 1)
   for e in range(0, min(row.shape[0], PREFETCH_BYTES // row.itemsize), step):
-    _prefetch(row, e)
+    prefetch(row, e)
 
 
 @intrinsic
@@ -324,7 +332,7 @@ def _f32_from_bits(typingctx, bits):
   return types.float32(types.int32), codegen
 
 
-@numba.njit(**_JIT_IEEE)
+@numba.njit(**JIT_IEEE)
 def exp_f32(x):
   """e^x for an f32 x clamped to [-87, 88] (NaN stays NaN), within 1.2 ulp of the f64 value
   there, branch-free so a loop of it vectorizes (libm's scalar exp left SmolLM2's 1536 SiLUs per
@@ -348,7 +356,7 @@ def exp_f32(x):
   return e if x == x else x
 
 
-@numba.njit(**_JIT_IEEE)
+@numba.njit(**JIT_IEEE)
 def silu_f32(g):
   """silu(g) = g / (1 + e^-g) in f32 (`exp_f32`): within 2.5 ulp of the f64 value; 0 where
   e^-g would pass exp_f32's range (g < -88: |silu(g)| < 1e-36); NaN stays NaN."""
@@ -356,7 +364,7 @@ def silu_f32(g):
   return np.float32(0.0) if -g > _EXP_HI else s
 
 
-@numba.njit(**_JIT_IEEE)
+@numba.njit(**JIT_IEEE)
 def gelu_tanh_f32(g):
   """gelu_tanh(g) = g/2 (1 + tanh(z)), z = c (g + 0.044715 g^3) (Hendrycks & Gimpel 2016),
   computed as g / (1 + e^(-2z)) (1 + tanh(z) = 2 / (1 + e^(-2z))) in f32 (`exp_f32`); 0 where
@@ -366,7 +374,7 @@ def gelu_tanh_f32(g):
   return np.float32(0.0) if z > _EXP_HI else s
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **JIT)
 def activation(g, u, code):
   """act(g, u) for one neuron: g, u are f32 dot products; returns an f32 scalar.
 
@@ -402,7 +410,7 @@ def activation_reference(g: np.ndarray, u: np.ndarray, family: str) -> np.ndarra
   raise AssertionError("unreachable")
 
 
-@numba.njit(**_JIT)
+@numba.njit(**JIT)
 def _compact_ids(ids):
   """Moves each row's valid ids (>= 0) to its front, keeping their order.
 
@@ -553,7 +561,7 @@ def dot_f32(a, b):
   raise NotImplementedError("dot_f32 runs inside numba-compiled code only")
 
 
-@numba.extending.overload(dot_f32, jit_options=_JIT_ORDERED)
+@numba.extending.overload(dot_f32, jit_options=JIT_ORDERED)
 def _dot_f32_overload(a, b):
   """The vector intrinsic on C-contiguous rows; strided ones (never on the hot paths) a loop in
   index order."""

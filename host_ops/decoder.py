@@ -5,13 +5,11 @@ are read; here the weights stay in llama.cpp's block formats (4-8 bits per weigh
 into one buffer (`host_ops.pool`): packed 16 rows at a time where integer products run
 (`host_ops.qpack`), the file's rows else.
 
-One layer body for every pass (issue 30): `_layers_kernel` runs every layer of a ragged batch
-of N tokens, token i of sequence slot `slots[i]` at position `positions[i]`: a prompt's chunk
-(prefill), one token of one sequence (decode), one token each of several sequences (batched
-decode), or a mix. Matmuls see N activation rows whatever they belong to; attention reads and
-writes each token's own slot of the KV cache. Each output of every kernel depends only on its
-own row, so a sequence's logits are the same alone or batched (bit for bit with int8 products;
-with f32 products up to `pool.GEMV_MAX_ROWS` rows per pass, where the f32 product changes kernel).
+One layer body for every pass (issue 30): `layers.layers_kernel` runs every layer for a ragged
+batch of tokens (a prompt's chunk, one token of one or of several sequences, or a mix). Each
+output of every kernel depends only on its own row, so a sequence's logits are the same alone or
+batched (bit for bit with int8 products; with f32 products up to `pool.GEMV_MAX_ROWS` rows per
+pass, where the f32 product changes kernel).
 
 The whole forward pass (embedding, layers, LM head) is one host call, so only token ids and
 logits cross a JAX callback (BUILD_NOTES.md, issue 5); the layers are one compiled call.
@@ -24,8 +22,9 @@ summation order.
 State is explicit: `HostDecoder.new_cache` returns a `HostKVCache` of `batch` slots that the
 caller owns and passes to every `forward`.
 
-Layout per STYLE.md: numba kernels (`host_ops.attention`, the layer loop here; matmuls in
-`host_ops.pool`) -> HostDecoder (validates) -> `decoder_reference` (float64 NumPy, whole model).
+Layout per STYLE.md: numba kernels (`host_ops.layers`, the layer loop; `host_ops.attention`;
+matmuls in `host_ops.pool`) -> HostDecoder (validates) -> `decoder_reference` (float64 NumPy,
+whole model).
 """
 
 from __future__ import annotations
@@ -33,48 +32,20 @@ from __future__ import annotations
 import dataclasses
 import mmap
 
-import numba
 import numpy as np
-from numba import extending as numba_extending
 
 from host_ops import _common
 from host_ops import attention as attn_lib
-from host_ops import gated_ffn as gated_lib
+from host_ops import gated_ffn
 from host_ops import pool as pool_lib
-from host_ops import qblocks
 from host_ops import qdot
 from host_ops import qmatmul
 from host_ops import qpack
 from host_ops._common import HostOpError
-
-
-@dataclasses.dataclass
-class HostLayer:
-  """One decoder layer's host weights.
-
-  attn_norm, ffn_norm: f32[D]; qkv: [(N + 2K) H, D] (q | k | v rows); attn_out: [D, N H];
-  gate, up: [F, D]; down: [D, F] (QMatrix, or a `qconcat.RowConcat` of several formats; rows =
-  outputs, as GGUF stores them; a HostDecoder replaces them by its pool's `pool.PooledRole`).
-  Family extras, None when absent: qkv_bias f32[(N + 2K) H] (Qwen2); q_norm, k_norm f32[H]
-  (QK-norm: Qwen3, Gemma 3); post_attn_norm, post_ffn_norm f32[D] (Gemma's sandwich norms on each
-  sub-block's output).
-  """
-
-  attn_norm: np.ndarray
-  qkv: qmatmul.QMatrix
-  attn_out: qmatmul.QMatrix
-  ffn_norm: np.ndarray
-  gate: qmatmul.QMatrix
-  up: qmatmul.QMatrix
-  down: qmatmul.QMatrix
-  qkv_bias: np.ndarray | None = None
-  q_norm: np.ndarray | None = None
-  k_norm: np.ndarray | None = None
-  post_attn_norm: np.ndarray | None = None
-  post_ffn_norm: np.ndarray | None = None
-
-  def matrices(self) -> tuple:
-    return (self.qkv, self.attn_out, self.gate, self.up, self.down)
+# PHASES and RECORD_* are part of the decoder's API (`phase_cycles`, `calibrate_gate_cuts`).
+from host_ops.layers import HostLayer  # noqa: F401 (API: the decoder is built from these)
+from host_ops.layers import (NO_DOWN_T, NO_PHASES, NO_RECORD, NO_UP, PHASES,
+                             RECORD_CONTRIBUTION, RECORD_GATE, RECORD_NONE, ROLES, layers_kernel)
 
 
 def _lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
@@ -109,177 +80,6 @@ class HostKVCache:
     return self.k.nbytes + self.v.nbytes
 
 
-@numba.njit(**_common._JIT)
-def _activation_kernel(g, u, code):
-  """act(g, u) elementwise for the FFN family `code`; g, u: f32[b, F]."""
-  out = np.empty_like(g)
-  for r in range(g.shape[0]):
-    for j in range(g.shape[1]):
-      out[r, j] = _common.activation(g[r, j], u[r, j], code)
-  return out
-
-
-# What `_layers_kernel` times per layer when asked (`HostDecoder.phase_cycles`): the attention
-# norm and q/k/v matmul, attention, the output matmul with the residual and the FFN norm, the
-# gate matmul, then up and down: the matmuls (dense) or the gate-first up and down passes, down
-# with the FFN's residual (and post-norm).
-PHASES = ("qkv", "attention", "attn_out", "gate", "up", "down")
-_NO_PHASES = np.zeros((0, len(PHASES)), np.int64)  # Placeholder when nothing is timed.
-# What `_layers_kernel` records per layer for `calibrate_gate_cuts`: nothing, |act_gate(g)|,
-# or |act(g, u)|.
-RECORD_NONE, RECORD_GATE, RECORD_CONTRIBUTION = 0, 1, 2
-_NO_RECORD = np.zeros((0, 0, 0), np.float32)
-# Roles of a layer in the pool's role table (`HostDecoder._roles`).
-ROLES = ("qkv", "attn_out", "gate", "up", "down")
-QKV, ATTN_OUT, GATE, UP, DOWN = range(5)
-
-
-@numba.njit(inline="always", **_common._JIT)
-def _stamp(phases, i, k, t_prev):
-  """Adds the cycles since t_prev to phases[i, k] and returns now (nothing when phases is
-  empty)."""
-  if phases.shape[0] == 0:
-    return t_prev
-  now = _common.cycle_counter()
-  phases[i, k] += now - t_prev
-  return now
-
-
-@numba.njit(inline="always", **_common._JIT)
-def _product(pool, mats, ids, needs, x, out, int8):
-  """out = x @ W.T for a role of the pool (`pool.pool_matmul`), x quantized as its kinds read
-  it (needs: (per-32, per-256) flags)."""
-  xa = qpack.activations(x, needs[0] != 0 or not int8, needs[1] != 0 and int8)
-  xsum = qblocks.block_sums(x) if not int8 else np.zeros((x.shape[0], 1), np.float32)
-  pool_lib.pool_matmul(pool, mats, ids, xa, x, xsum, out, int8)
-
-
-def _layer_gated(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
-  """(y, active, passed, t) of the gate-first FFN of layer i, its up pass timed into phases
-  (`_stamp`) from t_prev, t the up pass's end (numba only; see the overload below)."""
-  raise NotImplementedError("_layer_gated runs inside numba-compiled code only")
-
-
-@numba_extending.overload(_layer_gated, jit_options=_common._JIT)
-def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
-  """`gated_ffn.gated_ffn`'s passes for stacked up rows (Q4_1 (qs, d, m) or Q8_0 (q, d), each
-  [L, F, ...]: separate C arrays, or views into one record per row, `_build_up_records`) and
-  stacked neuron-major down rows dt: Q8_0 (i8[L, F, D], u16[L, F, D/32]) or Q4_1 (u8[L, F, D/2],
-  u16[L, F, D/32] twice); the integer kernel only where qdot.AVAILABLE."""
-  block = np.int64(qmatmul.BLOCK)
-  q4 = len(up_w) == 3
-  m = 2 if q4 else 1  # Q8_0: its scales stand in for the offsets, never read.
-  if len(dt) == 3:
-    layer_dt = lambda dt, i: (dt[0][i], dt[1][i], dt[2][i])  # noqa: E731
-  else:
-    layer_dt = lambda dt, i: (dt[0][i], dt[1][i])  # noqa: E731
-  layer_dt = numba.njit(inline="always", **_common._JIT)(layer_dt)
-  if not qdot.AVAILABLE:
-    def f32_only(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
-      acts, passed = gated_lib._up_pass(g, h, up_w[0][i], up_w[1][i], up_w[m][i], cuts, code,
-                                        n_threads, q4)
-      t_prev = _stamp(phases, i, 4, t_prev)
-      y, counts = gated_lib._down_pass(acts, layer_dt(dt, i), n_threads, block, False)
-      return y, counts, passed, t_prev
-    return f32_only
-
-  def impl(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
-    if int8:
-      acts, passed = gated_lib._up_pass_int8(g, h, up_w[0][i], up_w[1][i], up_w[m][i], cuts,
-                                             code, n_threads, q4)
-    else:
-      acts, passed = gated_lib._up_pass(g, h, up_w[0][i], up_w[1][i], up_w[m][i], cuts, code,
-                                        n_threads, q4)
-    t_prev = _stamp(phases, i, 4, t_prev)
-    y, counts = gated_lib._down_pass(acts, layer_dt(dt, i), n_threads, block, int8)
-    return y, counts, passed, t_prev
-  return impl
-
-
-@numba.njit(**_common._JIT)
-def _layers_kernel(x, slots, positions, pool, mats, roles, needs, norms, extras, cache_k,
-                   cache_v, cos, sin, rope_of, windows, adjacent, n_heads, n_kv, head_dim, scale,
-                   eps, code, int8, cuts, up_w, dt, active, passed, n_threads, phases, record,
-                   record_mode):
-  """Every layer of the decoder for a ragged batch (module docstring): x: f32[N, D] embeddings
-  -> f32[N, D] after the last layer.
-
-  slots, positions: i64[N]; pool, mats: `pool.WeightPool`; roles: i64[L, 5, MAX_PARTS] matrix ids
-  of each layer's roles (`ROLES`); needs: i64[L, 5, 2] the activation quantizations of each
-  role's input (per-32, per-256); norms: f32[L, 2, D] (attention, FFN); extras: (qkv_bias
-  f32[L, E], q_norm, k_norm f32[L, H], post_attn_norm, post_ffn_norm f32[L, D]), each [L, 0]
-  when the family has none; cache_k, cache_v: f32[L, slots, S, K, H]; cos, sin: f32[n, N, R/2]
-  RoPE tables, layer i using table rope_of[i]; windows: i64[L] (0: global attention).
-  Gate-first FFN (`gated_ffn`) when cuts (f32[L, 2]: gate, contribution) is not empty: up rows
-  up_w (stacked split Q4_1 / Q8_0) and neuron-major down rows dt; layer i's fraction of neurons
-  computed is written to active[i], of neurons whose gate passed to passed[i]. phases:
-  i64[L, len(PHASES)] gets each layer's cycles per phase added, or [0, ...]: nothing timed.
-  record: f32[L, N, F] filled per `record_mode` (RECORD_*), or empty.
-  """
-  rows = x.shape[0]
-  qkv_bias, q_norms, k_norms, post_attn, post_ffn = extras
-  n_qkv = (n_heads + 2 * n_kv) * head_dim
-  qkv = np.empty((rows, n_qkv), np.float32)
-  attn_proj = np.empty_like(x)
-  ffn = np.empty_like(x)
-  f = 0
-  for p in range(roles.shape[2]):
-    if roles[0, GATE, p] >= 0:
-      f += mats[roles[0, GATE, p], pool_lib.M_ROWS]
-  g = np.empty((rows, f), np.float32)
-  u = np.empty((rows, f), np.float32)
-  t_prev = _common.cycle_counter() if phases.shape[0] else 0
-  for i in range(roles.shape[0]):
-    h = attn_lib.rms_norm(x, norms[i, 0], eps)
-    _product(pool, mats, roles[i, QKV], needs[i, QKV], h, qkv, int8)
-    if qkv_bias.shape[1]:
-      for r in range(rows):
-        qkv[r] += qkv_bias[i]
-    t_prev = _stamp(phases, i, 0, t_prev)
-    att = attn_lib.attention(qkv.reshape(rows, n_heads + 2 * n_kv, head_dim), cache_k[i],
-                             cache_v[i], slots, positions, cos[rope_of[i]], sin[rope_of[i]],
-                             adjacent, n_heads, n_kv, scale, windows[i], q_norms[i], k_norms[i],
-                             eps)
-    t_prev = _stamp(phases, i, 1, t_prev)
-    _product(pool, mats, roles[i, ATTN_OUT], needs[i, ATTN_OUT], att, attn_proj, int8)
-    if post_attn.shape[1]:
-      x = x + attn_lib.rms_norm(attn_proj, post_attn[i], eps)
-    else:
-      x = x + attn_proj
-    h = attn_lib.rms_norm(x, norms[i, 1], eps)
-    t_prev = _stamp(phases, i, 2, t_prev)
-    _product(pool, mats, roles[i, GATE], needs[i, GATE], h, g, int8)
-    t_prev = _stamp(phases, i, 3, t_prev)
-    if cuts.shape[0]:
-      ffn, counts, passed_i, t_prev = _layer_gated(up_w, i, g, h, dt, cuts[i], code, n_threads,
-                                                   int8, phases, t_prev)
-      active[i] = counts.sum() / (rows * f)
-      passed[i] = passed_i.sum() / (rows * f)
-    else:
-      _product(pool, mats, roles[i, UP], needs[i, UP], h, u, int8)
-      t_prev = _stamp(phases, i, 4, t_prev)
-      a = _activation_kernel(g, u, code)
-      if record_mode == RECORD_CONTRIBUTION:
-        for r in range(rows):
-          for j in range(f):
-            record[i, r, j] = abs(a[r, j])
-      elif record_mode == RECORD_GATE:
-        for r in range(rows):
-          for j in range(f):
-            record[i, r, j] = abs(_common.activation(g[r, j], np.float32(1.0),
-                                                     0 if code == 0 else 1))
-      _product(pool, mats, roles[i, DOWN], needs[i, DOWN], a, ffn, int8)
-    if post_ffn.shape[1]:
-      x = x + attn_lib.rms_norm(ffn, post_ffn[i], eps)
-    else:
-      x = x + ffn
-    t_prev = _stamp(phases, i, 5, t_prev)
-  return x
-
-
-# Placeholders for `_layers_kernel` when the gate-first FFN is off.
-_NO_UP = (np.zeros((0, 0, qmatmul.BLOCK), np.int8), np.zeros((0, 0, 1), np.uint16))
-_NO_DOWN_T = (np.zeros((0, 0, qmatmul.BLOCK), np.int8), np.zeros((0, 0, 1), np.uint16))
 _EXTRAS = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
 
 
@@ -342,7 +142,7 @@ class HostDecoder:
     self.gate_cuts = None  # Per-layer cuts when the gate-first sparse FFN is on (enable_gated).
     self.contribution_cuts = None  # Per-layer |act| cuts of the down rows (None: all 0).
     self._down_t = None  # Per-layer neuron-major down rows for it (Q8_0, Q4_1 or file rows).
-    self._stacked_down_t = None  # The same rows stacked [L, F, ...] for `_layers_kernel`.
+    self._stacked_down_t = None  # The same rows stacked [L, F, ...] for `layers_kernel`.
     self._up = None  # Its up rows: stacked split Q4_1 / Q8_0 arrays, or records (ReLU families).
     self.last_active = np.ones(len(layers), np.float32)  # Active FFN fraction, last forward.
     self.last_passed = np.ones(len(layers), np.float32)  # Gate-passed fraction (up rows read).
@@ -412,7 +212,7 @@ class HostDecoder:
 
   def _build_pool(self) -> None:
     """Copies every layer matrix into one WeightPool (one layer at a time, each layer's source
-    matrices dropped as it is done) and stacks norms and extras for `_layers_kernel`."""
+    matrices dropped as it is done) and stacks norms and extras for `layers_kernel`."""
     n_layers = self.n_layers
     int8 = self.dot == qmatmul.DOT_INT8
     roles = [getattr(layer, name) for layer in self.layers for name in ROLES]
@@ -530,11 +330,11 @@ class HostDecoder:
         that are not Q4_1 or Q8_0.
     """
     if down_format is None:  # The file's own blocks where it can (exact, fewest bytes read).
-      down_format = gated_lib.DOWN_FILE if all(
+      down_format = gated_ffn.DOWN_FILE if all(
           layer.down.kind == qmatmul.Q4_1 and layer.down.shape[0] % qmatmul.BLOCK == 0
           for layer in self.layers) else qmatmul.Q8_0
-    if down_format not in gated_lib.DOWN_KINDS:
-      raise HostOpError(f"down_format must be one of {', '.join(gated_lib.DOWN_KINDS)}, got "
+    if down_format not in gated_ffn.DOWN_KINDS:
+      raise HostOpError(f"down_format must be one of {', '.join(gated_ffn.DOWN_KINDS)}, got "
                         f"{down_format!r}")
     if cuts is None:
       if contribution_cuts is not None:
@@ -559,8 +359,8 @@ class HostDecoder:
       quantize = qmatmul.quantize_q4_1 if down_format == qmatmul.Q4_1 else qmatmul.quantize_q8_0
       down_t, stacked_t = [], None
       for i, layer in enumerate(self.layers):  # One layer's f32 copy at a time.
-        if down_format == gated_lib.DOWN_FILE:
-          w = gated_lib.FileDownRows.from_down(layer.down.parts[0].qmatrix())
+        if down_format == gated_ffn.DOWN_FILE:
+          w = gated_ffn.FileDownRows.from_down(layer.down.parts[0].qmatrix())
         else:
           w = quantize(np.ascontiguousarray(layer.down.dequantize().T))
         if i == 0:
@@ -569,14 +369,14 @@ class HostDecoder:
         for stacked, a in zip(stacked_t, w.arrays):
           stacked[i] = a
         views = tuple(a[i] for a in stacked_t)
-        down_t.append(gated_lib.FileDownRows(*views) if down_format == gated_lib.DOWN_FILE
+        down_t.append(gated_ffn.FileDownRows(*views) if down_format == gated_ffn.DOWN_FILE
                       else qmatmul.QMatrix(down_format, views))
       self._down_t, self._stacked_down_t = down_t, stacked_t
     if self._up is None:
       self._up = self._build_up()
     self.gate_cuts = cuts
     self.contribution_cuts = None if contribution_cuts is None else ccuts
-    # What `_layers_kernel` reads, once, not per pass: f32[L, 2] (gate cut, contribution cut).
+    # What `layers_kernel` reads, once, not per pass: f32[L, 2] (gate cut, contribution cut).
     self._cuts = np.ascontiguousarray(np.stack([cuts, ccuts], axis=1), np.float32)
 
   def _build_up(self):
@@ -678,7 +478,7 @@ class HostDecoder:
       active_sum, passed_sum = self.read_sums
       passed_fraction = active_fraction * (passed_sum / active_sum if active_sum > 0 else 1.0)
     kind = qmatmul.Q8_0 if self._down_t is None else self._down_t[0].kind
-    per_block, fixed = gated_lib.DOWN_BLOCK_BYTES[kind]
+    per_block, fixed = gated_ffn.DOWN_BLOCK_BYTES[kind]
     blocks = sum(layer.down.shape[0] * layer.down.shape[1] // 32 for layer in self.layers)
     return int(sum(layer.gate.file_bytes() + passed_fraction * layer.up.file_bytes()
                    for layer in self.layers) + (active_fraction * per_block + fixed) * blocks)
@@ -759,7 +559,7 @@ class HostDecoder:
       raise HostOpError(f"forward needs a HostKVCache of this decoder (new_cache: writable f32 "
                         f"keys and values of one shape), got {type(cache).__name__}")
 
-  def _forward(self, cache, tokens, slots, positions, rows, record=_NO_RECORD,
+  def _forward(self, cache, tokens, slots, positions, rows, record=NO_RECORD,
                record_mode=RECORD_NONE) -> np.ndarray:
     phases = self.phase_cycles
     if phases is not None and (not isinstance(phases, np.ndarray) or phases.dtype != np.int64
@@ -773,15 +573,15 @@ class HostDecoder:
       x *= np.float32(self.embedding_scale)
     n_threads = _common.ensure_host_threads()
     if self.gate_cuts is None or record_mode != RECORD_NONE:
-      cuts, up, dt = np.zeros((0, 2), np.float32), _NO_UP, _NO_DOWN_T
+      cuts, up, dt = np.zeros((0, 2), np.float32), NO_UP, NO_DOWN_T
     else:
       cuts, up, dt = self._cuts, self._up, self._stacked_down_t
-    x = _layers_kernel(x, slots, positions, self.pool.pool, self.pool.mats, self._roles,
+    x = layers_kernel(x, slots, positions, self.pool.pool, self.pool.mats, self._roles,
                        self._needs, self._norms, self._extras, cache.k, cache.v, cos, sin,
                        self._rope_of, self.windows, self.rope_adjacent, self.n_heads,
                        self.n_kv_heads, self.head_dim, np.float32(self.attn_scale), self.eps,
                        self.code, self.dot == qmatmul.DOT_INT8, cuts, up, dt, self.last_active,
-                       self.last_passed, n_threads, _NO_PHASES if phases is None else phases,
+                       self.last_passed, n_threads, NO_PHASES if phases is None else phases,
                        record, record_mode)
     if self.gate_cuts is not None and record_mode == RECORD_NONE:
       self.read_sums += (float(self.last_active.mean()), float(self.last_passed.mean()))
@@ -876,7 +676,7 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
       a = _common.activation_reference(mm(layer.gate, h), mm(layer.up, h), dec.family)
       y = mm(layer.down, a)
     else:
-      y = gated_lib.gated_ffn_reference(mm(layer.gate, h), h, layer.up.parts[0].qmatrix(),
+      y = gated_ffn.gated_ffn_reference(mm(layer.gate, h), h, layer.up.parts[0].qmatrix(),
                                         dec._down_t[li], cut=dec.gate_cuts[li],
                                         family=dec.family, dot=dec.dot,
                                         contribution_cut=float(dec._cuts[li, 1]))[0]

@@ -23,12 +23,13 @@ import numba
 import numpy as np
 
 from host_ops import _common
+from host_ops import sparse_ffn
 from host_ops._common import HostOpError
 
 BLOCK = 32  # Values per scale block (16 bytes of codes).
 
 
-@numba.njit(inline="always", **_common._JIT)
+@numba.njit(inline="always", **_common.JIT)
 def _dot_q4(codes_row, scales_row, xe, xo):
   """sum_j w_j x_j for one 4-bit row: codes_row u8[D/2], scales_row f32[D/32], xe/xo = x[0::2],
   x[1::2] (f32[D/2]).
@@ -44,7 +45,7 @@ def _dot_q4(codes_row, scales_row, xe, xo):
   return total
 
 
-@numba.njit(parallel=True, **_common._JIT)
+@numba.njit(parallel=True, **_common.JIT)
 def _lowbit_active_kernel(gate_codes, gate_scales, up_codes, up_scales, xe, xo, cut, code):
   """Predicted active ids per row: (ids: i32[b, n], valid first, -1 after; counts: i32[b])."""
   b = xe.shape[0]
@@ -92,6 +93,11 @@ class LowbitPredictor:
     return sum(a.nbytes for a in (self.gate_codes, self.up_codes, self.gate_scales,
                                   self.up_scales))
 
+  def run(self, gate, up, down, x, family: str) -> tuple[np.ndarray, np.ndarray]:
+    """`lowbit_sparse_ffn_host` with this predictor (what `HostFFNWeights.run_predicted`
+    calls: sparse_ffn does not import this module)."""
+    return lowbit_sparse_ffn_host(self, gate, up, down, x, family)
+
 
 def lowbit_sparse_ffn_host(pred: LowbitPredictor, gate, up, down, x, family: str
                            ) -> tuple[np.ndarray, np.ndarray]:
@@ -116,7 +122,6 @@ def lowbit_sparse_ffn_host(pred: LowbitPredictor, gate, up, down, x, family: str
   if d % BLOCK or pred.gate_codes.shape != (n, d // 2) or x.shape[1] != d:
     raise HostOpError(f"rows [{n}, {d}], codes {pred.gate_codes.shape} and x {x.shape} disagree "
                       f"(D must be a multiple of {BLOCK})")
-  from host_ops import sparse_ffn
   code = _common.family_code(family)
   n_threads = _common.ensure_host_threads()
   xe, xo = np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2])
@@ -124,7 +129,7 @@ def lowbit_sparse_ffn_host(pred: LowbitPredictor, gate, up, down, x, family: str
   # sparse op's prefetching (one fused loop with a branch per neuron was slower).
   ids, counts = _lowbit_active_kernel(pred.gate_codes, pred.gate_scales, pred.up_codes,
                                       pred.up_scales, xe, xo, np.float32(pred.cut), code)
-  y = sparse_ffn._sparse_ffn_f32_kernel(gate, up, down, x, ids, counts, False, code, n_threads,
+  y = sparse_ffn.sparse_ffn_f32_kernel(gate, up, down, x, ids, counts, False, code, n_threads,
                                         _common.PREFETCH_AHEAD)
   return y, counts.astype(np.int64)
 

@@ -12,9 +12,9 @@ kept (the copy is the only one in memory; `PooledMatrix` gives the file's blocks
 Products (`pool_matmul`): packed -> `qpack.matmul_kernel` (int8); rows with int8 products ->
 `qblocks.row_dot_int8` (activations per 32 values); f32 products -> `qblocks.row_dot` for up to
 GEMV_MAX_ROWS activation rows, else 16 rows dequantized once and dotted with every row
-(`qmatmul.tile_dots`). Each output element is one weight row's dot with one activation row in
-an order fixed by the kernel, so results do not depend on the other rows of a batch (int8 at
-any batch; f32 up to GEMV_MAX_ROWS rows, where the product changes kernel).
+(`qmatmul_kernels.tile_dots`). Each output element is one weight row's dot with one activation
+row in an order fixed by the kernel, so results do not depend on the other rows of a batch (int8
+at any batch; f32 up to GEMV_MAX_ROWS rows, where the product changes kernel).
 
 Layout per STYLE.md: numba drivers -> WeightPool (builds, validates) -> PooledMatrix (the file's
 blocks back, for references and the sparse FFN's own copies).
@@ -28,6 +28,7 @@ import numpy as np
 from host_ops import _common
 from host_ops import qblocks
 from host_ops import qmatmul
+from host_ops import qmatmul_kernels
 from host_ops import qpack
 from host_ops._common import HostOpError
 
@@ -39,7 +40,7 @@ GEMV_MAX_ROWS = qmatmul.GEMV_MAX_ROWS
 
 
 # ----------------------------------------------------------------------------- drivers
-@numba.njit(parallel=True, **_common._JIT)
+@numba.njit(parallel=True, **_common.JIT)
 def _rows_int8(code, raw, xq8, dx, xsum, out, col):
   """out[r, col + i] = raw row i . x_hat[r] (per-32 activations); the next row prefetched."""
   n = raw.shape[0]
@@ -50,7 +51,7 @@ def _rows_int8(code, raw, xq8, dx, xsum, out, col):
       out[r, col + i] = qblocks.row_dot_int8(code, raw[i], xq8[r], dx[r], xsum[r])
 
 
-@numba.njit(parallel=True, **_common._JIT)
+@numba.njit(parallel=True, **_common.JIT)
 def _rows_f32(code, raw, x, xsum, out, col):
   """out[r, col + i] = raw row i . x[r] (f32 activations, one row at a time)."""
   n = raw.shape[0]
@@ -64,7 +65,7 @@ def _rows_f32(code, raw, x, xsum, out, col):
 _TILE = 16
 
 
-@numba.njit(parallel=True, **_common._JIT)
+@numba.njit(parallel=True, **_common.JIT)
 def _tiles_f32(code, raw, x, out, col):
   """out[:, col:col + n] = x @ W.T for many rows: 16 weight rows dequantized at a time."""
   n = raw.shape[0]
@@ -76,21 +77,21 @@ def _tiles_f32(code, raw, x, out, col):
     part = np.empty((b, _TILE), np.float32)
     for k in range(rows):
       qblocks.row_dequant(code, raw[lo + k], w[k])
-    qmatmul.tile_dots(w, rows, x, part, 0)
+    qmatmul_kernels.tile_dots(w, rows, x, part, 0)
     for r in range(b):
       for k in range(rows):
         out[r, col + lo + k] = part[r, k]
 
 
-@numba.njit(**_common._JIT)
+@numba.njit(**_common.JIT)
 def pool_matmul(pool, mats, ids, xa, x, xsum, out, int8):
   """out[:, :] = x @ W.T for the role whose matrix ids (-1 padded) are `ids`, their outputs side
   by side (the first part's rows first).
 
-  pool: u8[total]; mats: i64[M, 6] (`M_*` columns); xa: the activations of x (`qpack.ACTIVATIONS`,
-  per-32 half needed by row matrices with int8 products); x: f32[b, D]; xsum: f32[b, D/32] block
-  sums of x (f32 row products); out: f32[b, sum of rows]; int8: integer products where a kind
-  has them (else f32)."""
+  pool: u8[total]; mats: i64[M, 6] (`M_*` columns); xa: the activations of x
+  (`act_quant.ACTIVATIONS`, per-32 half needed by row matrices with int8 products); x: f32[b, D];
+  xsum: f32[b, D/32] block sums of x (f32 row products); out: f32[b, sum of rows]; int8: integer
+  products where a kind has them (else f32)."""
   col = 0
   for p in range(ids.shape[0]):
     m = ids[p]

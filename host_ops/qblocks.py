@@ -51,20 +51,20 @@ copies cycled from DRAM): Q4_0 23/36, 20/24; Q5_0 22/31, 16/18; Q5_1 20/31, 14/1
 kernels 18/37, 16/23. One thread (CPU time, in cache): about half of the in-cache figures.
 
 f16 -> f32: `fpext half` (vcvtph2ps) where the CPU has F16C, else integer bit manipulation
-(`_half_to_float(hw=False)`, exact for zeros, subnormals, inf and NaN); both are tested on all
-65536 halves.
+(`llvm_ir.half_to_float(hw=False)`, exact for zeros, subnormals, inf and NaN); both are tested
+on all 65536 halves.
 
 The kernels in `host_ops.qmatmul` inline this module's IR; numba's on-disk cache keys them on
 every host_ops source (`host_ops._cache`), so an edit here recompiles them.
 
-Layout per STYLE.md: IR helpers -> per-format unit emitters -> intrinsics (`_row_dot_*`,
-`_row_dot_int8_*`, `_row_dequant_*`) -> `row_dot` / `row_dot_int8` / `row_dequant` (dispatch on
-a kind code; the parallel kernels are in `host_ops.qmatmul`, and so are the NumPy references).
+Layout per STYLE.md: IR helpers (the shared ones in `host_ops.llvm_ir`) -> per-format unit
+emitters -> intrinsics (`_row_dot_*`, `_row_dot_int8_*`, `_row_dequant_*`, one table) ->
+`row_dot` / `row_dot_int8` / `row_dequant` (dispatch on a kind code; the parallel kernels are in
+`host_ops.qmatmul_kernels`, the NumPy references in `host_ops.qmatmul`).
 """
 
 from __future__ import annotations
 
-import llvmlite.binding
 import numba
 import numpy as np
 from llvmlite import ir
@@ -73,6 +73,11 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from host_ops import _common
+from host_ops.llvm_ir import HAS_F16C  # noqa: F401 (API: whether f16 converts in hardware)
+from host_ops.llvm_ir import (F32 as _F32, I8 as _I8, I16 as _I16, I32 as _I32, I64 as _I64,
+                              add as _add, bf16_to_float as _bf16_to_float, const as _const,
+                              fmuladd as _fmuladd, half_to_float as _half_to_float,
+                              load as _load, splat as _splat, vec as _vec, x86 as _x86)
 
 # Kind codes for the numba dispatch (strings cannot select a branch cheaply inside a kernel).
 Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16, Q4_1, Q8_0 = range(10)
@@ -81,94 +86,11 @@ KIND_CODES = {"q4_0": Q4_0, "q5_0": Q5_0, "q5_1": Q5_1, "q4_k": Q4_K, "q5_k": Q5
               "q6_k": Q6_K, "f16": F16, "bf16": BF16}
 # (values per block, bytes per block) as stored in GGUF; F16/BF16 rows are read FLOAT_UNIT
 # values at a time by the vector loop and the remainder (D % FLOAT_UNIT) in numba.
-GEOMETRY = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q5_0": (32, 22), "q5_1": (32, 24), "q4_k": (256, 144),
-            "q5_k": (256, 176), "q6_k": (256, 210), "f16": (1, 2), "bf16": (1, 2)}
+GEOMETRY = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q5_0": (32, 22),
+            "q5_1": (32, 24), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+            "f16": (1, 2), "bf16": (1, 2)}
 GROUP = 32  # Values per group: the lanes of one accumulator, and the block of `block_sums`.
 FLOAT_UNIT = 64
-
-
-def _host_has_f16c() -> bool:
-  if not _common.IS_X86 or numba.config.CPU_NAME:
-    return False  # Elsewhere (or compiling for another CPU) `fpext half` may become a libcall.
-  try:
-    return bool(llvmlite.binding.get_host_cpu_features().get("f16c"))
-  except RuntimeError:
-    return False
-
-
-# Whether f16 scales and F16 weights convert with the CPU's instruction (vcvtph2ps).
-HAS_F16C = _host_has_f16c()
-
-_I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
-                               ir.FloatType())
-_V32 = 32
-
-
-def _vec(t, n=_V32):
-  return ir.VectorType(t, n)
-
-
-def _const(t, values):
-  """A vector constant of element type t (`values` a list), or a scalar one (an int/float)."""
-  if isinstance(values, (list, tuple)):
-    return ir.Constant(_vec(t, len(values)), list(values))
-  return ir.Constant(t, values)
-
-
-def _splat(bd, v, n=_V32):
-  """A scalar repeated in n lanes."""
-  vt = _vec(v.type, n)
-  first = bd.insert_element(ir.Constant(vt, ir.Undefined), v, _const(_I32, 0))
-  return bd.shuffle_vector(first, ir.Constant(vt, ir.Undefined), _const(_I32, [0] * n))
-
-
-def _load(bd, base, offset, ty):
-  """An unaligned load of `ty` at byte (element, for a typed base) `offset` of `base`."""
-  return bd.load(bd.bitcast(bd.gep(base, [offset]), ty.as_pointer()), align=1)
-
-
-def _add(bd, v, k):
-  return bd.add(v, _const(v.type, k))
-
-
-def _half_to_float(bd, h, hw=None):
-  """i16 (or <n x i16>) half bits -> float (or <n x float>), exact (subnormals, inf, NaN).
-
-  hw: `fpext half` (default where the CPU has F16C); else the integer method of ggml's
-  `ggml_compute_fp16_to_fp32` fallback: shift the exponent and mantissa into place, rebias,
-  and renormalize zeros/subnormals with one exact subtraction of 2^-14.
-  """
-  hw = HAS_F16C if hw is None else hw
-  vector = isinstance(h.type, ir.VectorType)
-  n = h.type.count if vector else None
-  ft = _vec(_F32, n) if vector else _F32
-  if hw:
-    return bd.fpext(bd.bitcast(h, _vec(ir.HalfType(), n) if vector else ir.HalfType()), ft)
-  it = _vec(_I32, n) if vector else _I32
-
-  def c(v):
-    return _const(it.element if vector else it, [v] * n if vector else v)
-
-  u = bd.zext(h, it)
-  o = bd.shl(bd.and_(u, c(0x7FFF)), c(13))
-  exp = bd.and_(o, c(0x7C00 << 13))
-  o = bd.add(o, c((127 - 15) << 23))
-  o_inf = bd.add(o, c((128 - 16) << 23))  # Inf/NaN: exponent all ones, mantissa kept.
-  magic = ir.Constant(ft, [2.0 ** -14] * n) if vector else ir.Constant(ft, 2.0 ** -14)
-  o_sub = bd.bitcast(_common.fsub(bd, bd.bitcast(bd.add(o, c(1 << 23)), ft), magic), it)
-  o = bd.select(bd.icmp_unsigned("==", exp, c(0x7C00 << 13)), o_inf,
-                bd.select(bd.icmp_unsigned("==", exp, c(0)), o_sub, o))
-  o = bd.or_(o, bd.shl(bd.and_(u, c(0x8000)), c(16)))
-  return bd.bitcast(o, ft)
-
-
-def _bf16_to_float(bd, h):
-  """i16 / <n x i16> bf16 bits -> float: the top half of an f32."""
-  vector = isinstance(h.type, ir.VectorType)
-  it = _vec(_I32, h.type.count) if vector else _I32
-  ft = _vec(_F32, h.type.count) if vector else _F32
-  shift = _const(_I32, [16] * h.type.count) if vector else _const(_I32, 16)
-  return bd.bitcast(bd.shl(bd.zext(h, it), shift), ft)
 
 
 def _f16_at(bd, p, off):
@@ -377,13 +299,6 @@ def _float_codes(bd, g):
   return bd.sitofp(g.codes, _vec(_F32))
 
 
-def _fmuladd(bd, a, b, c):
-  name = f"llvm.fmuladd.v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else \
-      "llvm.fmuladd.f32"
-  fn = cgutils.get_or_insert_function(bd.module, ir.FunctionType(a.type, [a.type] * 3), name)
-  return bd.call(fn, [a, b, c])
-
-
 def _row_dot_codegen(kind):
   """IR of a row's dot with x. Per group: t = codes[:16] * x[:16] + codes[16:] * x[16:] (16
   lanes), acc += t * scale (one multiply by the scale per 32 values, not per value); offsets
@@ -468,16 +383,12 @@ _SIGNED_CODES = ("q6_k", "q8_0")
 INT8_KINDS = ("q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_1", "q8_0")
 
 
-def _x86(bd, name, ret, args):
-  return cgutils.get_or_insert_function(bd.module, ir.FunctionType(ret, args), name)
-
-
 def _row_dot_int8_codegen(kind):
   """IR of a row's dot with x quantized per 32 values (`qdot.quantize_x`: xq, dx, xsum).
 
   Per group: isum = sum codes * xq in integers (vpmaddubsw: u8 x s8 pairs -> i16, then
   vpmaddwd with ones -> 8 x i32; signed codes give their sign to xq with vpsignb, as
-  `qdot._row_dot_q8_0`), acc += float(isum) * scale * dx[group] in 8 lanes; offsets as the f32
+  `qdot.row_dot_q8_0`), acc += float(isum) * scale * dx[group] in 8 lanes; offsets as the f32
   dot, against xsum (the quantized block sums: the product is W . x_hat exactly, up to f32
   rounding). |code| <= 32 and |xq| <= 127, so a pair sum fits i16 (2 * 32 * 127 = 8128).
   """
@@ -546,171 +457,49 @@ def _row_dot_int8_codegen(kind):
   return codegen
 
 
-def _contiguous(*arrays):
-  return all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arrays)
-
-
-def _dot_sig(kind, row, x, xsum):
-  if not _contiguous(row, x, xsum):
+def _typed(ret, make_codegen, kind, *arrays):
+  """(ret(*arrays), make_codegen(kind)) when every array is contiguous 1-D, else None."""
+  if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arrays):
     return None
-  return types.float32(row, x, xsum), _row_dot_codegen(kind)
+  return ret(*arrays), make_codegen(kind)
 
 
-def _dequant_sig(kind, row, out):
-  if not _contiguous(row, out):
-    return None
-  return types.void(row, out), _row_dequant_codegen(kind)
+def _row_intrinsic(name, kind, make_codegen, ret, n_args):
+  """The intrinsic `name` over n_args contiguous 1-D arrays (2: row, out; 3: row, x, xsum; 4:
+  row, xq, dx, xsum): ret(*arrays), the IR make_codegen(kind). numba lowers a typing function's
+  *args as one tuple argument, so each arity is spelled out."""
+  if n_args == 2:
+    def typer(typingctx, a, b):
+      return _typed(ret, make_codegen, kind, a, b)
+  elif n_args == 3:
+    def typer(typingctx, a, b, c):
+      return _typed(ret, make_codegen, kind, a, b, c)
+  else:
+    def typer(typingctx, a, b, c, d):
+      return _typed(ret, make_codegen, kind, a, b, c, d)
+  typer.__name__ = name
+  return intrinsic(typer)
 
 
-# row: u8[row bytes]; x: f32[D]; xsum: f32[D / 32] (`block_sums`); all contiguous. Each returns
-# the f32 dot of the row's first D // values-per-unit units with x.
-@intrinsic
-def _row_dot_q4_0(typingctx, row, x, xsum):
-  return _dot_sig("q4_0", row, x, xsum)
-
-
-@intrinsic
-def _row_dot_q5_0(typingctx, row, x, xsum):
-  return _dot_sig("q5_0", row, x, xsum)
-
-
-@intrinsic
-def _row_dot_q5_1(typingctx, row, x, xsum):
-  return _dot_sig("q5_1", row, x, xsum)
-
-
-@intrinsic
-def _row_dot_q4_k(typingctx, row, x, xsum):
-  return _dot_sig("q4_k", row, x, xsum)
-
-
-@intrinsic
-def _row_dot_q5_k(typingctx, row, x, xsum):
-  return _dot_sig("q5_k", row, x, xsum)
-
-
-@intrinsic
-def _row_dot_q6_k(typingctx, row, x, xsum):
-  return _dot_sig("q6_k", row, x, xsum)
-
-
-@intrinsic
-def _row_dot_q4_1(typingctx, row, x, xsum):
-  return _dot_sig("q4_1", row, x, xsum)
-
-
-@intrinsic
-def _row_dot_q8_0(typingctx, row, x, xsum):
-  return _dot_sig("q8_0", row, x, xsum)
-
-
-@intrinsic
-def _row_dot_f16(typingctx, row, x, xsum):
-  return _dot_sig("f16", row, x, xsum)
-
-
-@intrinsic
-def _row_dot_bf16(typingctx, row, x, xsum):
-  return _dot_sig("bf16", row, x, xsum)
-
-
-# row: u8[row bytes]; out: f32[D] (contiguous): writes the first D // values-per-unit units.
-@intrinsic
-def _row_dequant_q4_0(typingctx, row, out):
-  return _dequant_sig("q4_0", row, out)
-
-
-@intrinsic
-def _row_dequant_q5_0(typingctx, row, out):
-  return _dequant_sig("q5_0", row, out)
-
-
-@intrinsic
-def _row_dequant_q5_1(typingctx, row, out):
-  return _dequant_sig("q5_1", row, out)
-
-
-@intrinsic
-def _row_dequant_q4_k(typingctx, row, out):
-  return _dequant_sig("q4_k", row, out)
-
-
-@intrinsic
-def _row_dequant_q5_k(typingctx, row, out):
-  return _dequant_sig("q5_k", row, out)
-
-
-@intrinsic
-def _row_dequant_q6_k(typingctx, row, out):
-  return _dequant_sig("q6_k", row, out)
-
-
-@intrinsic
-def _row_dequant_q4_1(typingctx, row, out):
-  return _dequant_sig("q4_1", row, out)
-
-
-@intrinsic
-def _row_dequant_q8_0(typingctx, row, out):
-  return _dequant_sig("q8_0", row, out)
-
-
-@intrinsic
-def _row_dequant_f16(typingctx, row, out):
-  return _dequant_sig("f16", row, out)
-
-
-@intrinsic
-def _row_dequant_bf16(typingctx, row, out):
-  return _dequant_sig("bf16", row, out)
-
-
-def _int8_sig(kind, row, xq, dx, xsum):
-  if not _contiguous(row, xq, dx, xsum):
-    return None
-  return types.float32(row, xq, dx, xsum), _row_dot_int8_codegen(kind)
-
-
-# row: u8[row bytes]; xq: i8[D], dx, xsum: f32[D / 32] (`qdot.quantize_x` of one row of x).
-# x86 AVX2 only (qdot.AVAILABLE): compiled only when a kernel that calls them is.
-@intrinsic
-def _row_dot_int8_q4_0(typingctx, row, xq, dx, xsum):
-  return _int8_sig("q4_0", row, xq, dx, xsum)
-
-
-@intrinsic
-def _row_dot_int8_q5_0(typingctx, row, xq, dx, xsum):
-  return _int8_sig("q5_0", row, xq, dx, xsum)
-
-
-@intrinsic
-def _row_dot_int8_q5_1(typingctx, row, xq, dx, xsum):
-  return _int8_sig("q5_1", row, xq, dx, xsum)
-
-
-@intrinsic
-def _row_dot_int8_q4_k(typingctx, row, xq, dx, xsum):
-  return _int8_sig("q4_k", row, xq, dx, xsum)
-
-
-@intrinsic
-def _row_dot_int8_q5_k(typingctx, row, xq, dx, xsum):
-  return _int8_sig("q5_k", row, xq, dx, xsum)
-
-
-@intrinsic
-def _row_dot_int8_q6_k(typingctx, row, xq, dx, xsum):
-  return _int8_sig("q6_k", row, xq, dx, xsum)
-
-
-@intrinsic
-def _row_dot_int8_q4_1(typingctx, row, xq, dx, xsum):
-  return _int8_sig("q4_1", row, xq, dx, xsum)
-
-
-@intrinsic
-def _row_dot_int8_q8_0(typingctx, row, xq, dx, xsum):
-  return _int8_sig("q8_0", row, xq, dx, xsum)
+# _row_dot_<kind>(row, x, xsum) -> f32: row u8[row bytes]; x f32[D]; xsum f32[D / 32]
+# (`block_sums`): the dot of the row's first D // values-per-unit units with x.
+(_row_dot_q4_0, _row_dot_q5_0, _row_dot_q5_1, _row_dot_q4_k, _row_dot_q5_k, _row_dot_q6_k,
+ _row_dot_q4_1, _row_dot_q8_0, _row_dot_f16, _row_dot_bf16) = (
+     _row_intrinsic(f"_row_dot_{k}", k, _row_dot_codegen, types.float32, 3)
+     for k in ("q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_1", "q8_0", "f16", "bf16"))
+# _row_dequant_<kind>(row, out): out f32[D] (contiguous) gets the first D // values-per-unit units.
+(_row_dequant_q4_0, _row_dequant_q5_0, _row_dequant_q5_1, _row_dequant_q4_k, _row_dequant_q5_k,
+ _row_dequant_q6_k, _row_dequant_q4_1, _row_dequant_q8_0, _row_dequant_f16,
+ _row_dequant_bf16) = (
+     _row_intrinsic(f"_row_dequant_{k}", k, _row_dequant_codegen, types.void, 2)
+     for k in ("q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_1", "q8_0", "f16", "bf16"))
+# _row_dot_int8_<kind>(row, xq, dx, xsum) -> f32: xq i8[D], dx, xsum f32[D / 32]
+# (`qdot.quantize_x` of one row of x). x86 AVX2 only (qdot.AVAILABLE): compiled only when a
+# kernel that calls them is.
+(_row_dot_int8_q4_0, _row_dot_int8_q5_0, _row_dot_int8_q5_1, _row_dot_int8_q4_k,
+ _row_dot_int8_q5_k, _row_dot_int8_q6_k, _row_dot_int8_q4_1, _row_dot_int8_q8_0) = (
+     _row_intrinsic(f"_row_dot_int8_{k}", k, _row_dot_int8_codegen, types.float32, 4)
+     for k in INT8_KINDS)
 
 
 def _scalar_sig(hw):
@@ -747,13 +536,13 @@ def bf16_to_f32(typingctx, bits):
   return _scalar_sig(None)(typingctx, bits)
 
 
-@numba.njit(inline="always", **_common._JIT)
+@numba.njit(inline="always", **_common.JIT)
 def _u16_at(row, j):
   """Element j of a row of 16-bit values stored as bytes (little-endian)."""
   return np.int64(row[2 * j]) | (np.int64(row[2 * j + 1]) << 8)
 
 
-@numba.njit(**_common._JIT)
+@numba.njit(**_common.JIT)
 def block_sums(x):
   """x: f32[b, D] -> f32[b, D // 32]: the sum of each 32-value group (the offset terms)."""
   b, dim = x.shape
@@ -767,7 +556,7 @@ def block_sums(x):
   return sums
 
 
-@numba.njit(inline="always", **_common._JIT)
+@numba.njit(inline="always", **_common.JIT)
 def row_dot(code, row, x, xsum):
   """f32: row . x for a row of kind `code` (u8[row bytes]); x: f32[D]; xsum: f32[D // 32]."""
   if code == Q4_0:
@@ -793,7 +582,7 @@ def row_dot(code, row, x, xsum):
   return acc
 
 
-@numba.njit(inline="always", **_common._JIT)
+@numba.njit(inline="always", **_common.JIT)
 def row_dequant(code, row, out):
   """out: f32[D] = the row of kind `code` (u8[row bytes]) as f32."""
   if code == Q4_0:
@@ -821,7 +610,7 @@ def row_dequant(code, row, out):
       out[j] = f16_to_f32(_u16_at(row, j)) if code == F16 else bf16_to_f32(_u16_at(row, j))
 
 
-@numba.njit(inline="always", **_common._JIT)
+@numba.njit(inline="always", **_common.JIT)
 def row_dot_int8(code, row, xq, dx, xsum):
   """f32: row . x_hat for a row of a kind of INT8_KINDS (`code`); x_hat = dx * xq per 32 values
   (`qdot.quantize_x`: xq i8[D], dx and xsum f32[D // 32])."""

@@ -20,7 +20,7 @@ Per row, with w = d_w * q (+ m_w for Q4_1) and x ~ dx * xq:
 Integer sums are exact (|15 * 127 * 2| and |128 * 127 * 2| fit i16), so the only difference
 from the f32 product is the activation rounding (relative error ~1/254 per block).
 
-Q4_1 rows take two blocks per 32-byte vector (`_row_dot_q4_1_pairs`): the 32 code bytes of
+Q4_1 rows take two blocks per 32-byte vector (`row_dot_q4_1_pairs`): the 32 code bytes of
 blocks b and b+1 split into low nibbles (both blocks' values 0..15) and high nibbles (16..31),
 against x laid out to match (`pair_blocks`), so one vpmaddwd sums both blocks, lanes 0-3 block b
 and 4-7 block b+1; the scales of eight blocks are widened and multiplied in one vector each.
@@ -43,7 +43,9 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from host_ops import _common
-from host_ops import qblocks
+from host_ops.llvm_ir import (F32 as _F32, I8 as _I8, I16 as _I16, I32 as _I32,
+                              half_to_float as _half_to_float, load as _load, vec as _vec,
+                              x86 as _x86)
 
 BLOCK = 32
 Q4_1 = "q4_1"
@@ -63,22 +65,6 @@ def _host_has_avx2() -> bool:
 # Whether the integer kernels can run here. numba compiles for the host CPU, so an intrinsic is
 # only ever emitted where the CPU has it.
 AVAILABLE = _host_has_avx2()
-
-_I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
-
-
-def _vec(t, n):
-  return ir.VectorType(t, n)
-
-
-def _x86(builder, name, ret, args):
-  return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
-
-
-def _load(builder, base, offset, ty):
-  """An unaligned load of vector type `ty` at base + offset (elements of base's type)."""
-  return builder.load(builder.bitcast(builder.gep(base, [offset]), ty.as_pointer()), align=1)
-
 
 def _row_dot_codegen(prefetch=False, locality=_common.LOCALITY_L1):
   """LLVM IR of a Q8_0 row's sum_b d[b] dx[b] <w_b, xq_b> (see the module docstring). With
@@ -113,7 +99,7 @@ def _row_dot_codegen(prefetch=False, locality=_common.LOCALITY_L1):
       w, x = builder.call(psign, [w, w]), builder.call(psign, [x, w])
       isum = builder.call(maddwd, [builder.call(maddubs, [w, x]), ones])
       # d holds f16 bits (as the file): widened here, one vcvtph2ps per block with F16C.
-      d_b = qblocks._half_to_float(builder, builder.load(builder.gep(dp, [b])))
+      d_b = _half_to_float(builder, builder.load(builder.gep(dp, [b])))
       scale = _common.fmul(builder, d_b, builder.load(builder.gep(sp, [b])))
       splat = builder.shuffle_vector(
           builder.insert_element(ir.Constant(_vec(_F32, 8), ir.Undefined), scale,
@@ -175,17 +161,17 @@ def _q4_1_pairs_codegen(prefetch=False, locality=_common.LOCALITY_L1):
       builder.store(_common.fma(builder, f, scale, builder.load(acc_p)), acc_p)
 
     def scalars(b):  # (d[b] dx[b], m[b] xsum[b]) of one block.
-      d_b = qblocks._half_to_float(builder, builder.load(builder.gep(dp, [b])))
-      m_b = qblocks._half_to_float(builder, builder.load(builder.gep(mp, [b])))
+      d_b = _half_to_float(builder, builder.load(builder.gep(dp, [b])))
+      m_b = _half_to_float(builder, builder.load(builder.gep(mp, [b])))
       return (_common.fmul(builder, d_b, builder.load(builder.gep(dxp, [b]))),
               _common.fmul(builder, m_b, builder.load(builder.gep(sump, [b]))))
 
     groups = builder.lshr(nb, c(3))
     with cgutils.for_range(builder, groups) as loop:
       base = builder.shl(loop.index, c(3))
-      d8 = qblocks._half_to_float(builder, _load(builder, dp, base, _vec(_I16, 8)))
+      d8 = _half_to_float(builder, _load(builder, dp, base, _vec(_I16, 8)))
       scale8 = _common.fmul(builder, d8, _load(builder, dxp, base, v8))
-      m8 = qblocks._half_to_float(builder, _load(builder, mp, base, _vec(_I16, 8)))
+      m8 = _half_to_float(builder, _load(builder, mp, base, _vec(_I16, 8)))
       accumulate(acc_m, m8, _load(builder, sump, base, v8))
       for k in range(4):
         blk = builder.add(base, c(2 * k))
@@ -228,46 +214,46 @@ def _q4_1_pairs_codegen(prefetch=False, locality=_common.LOCALITY_L1):
 
 
 @intrinsic
-def _row_dot_q4_1_pairs(typingctx, qs, d, m, xqp, dx, xsum):
+def row_dot_q4_1_pairs(typingctx, qs, d, m, xqp, dx, xsum):
   """f32: W_row . x_hat of a Q4_1 row, offsets included. qs: u8[D/2]; d, m: u16[D/32] (f16
   bits); xqp: i8[D] in the pair layout (`pair_blocks`); dx, xsum: f32[D/32] (`quantize_x`)."""
   return types.float32(qs, d, m, xqp, dx, xsum), _q4_1_pairs_codegen()
 
 
 @intrinsic
-def _row_dot_q4_1_pairs_next(typingctx, qs, d, m, xqp, dx, xsum, next_qs):
-  """`_row_dot_q4_1_pairs`, prefetching next_qs (u8[D/2], the row read next) over the row."""
+def row_dot_q4_1_pairs_next(typingctx, qs, d, m, xqp, dx, xsum, next_qs):
+  """`row_dot_q4_1_pairs`, prefetching next_qs (u8[D/2], the row read next) over the row."""
   return types.float32(qs, d, m, xqp, dx, xsum, next_qs), _q4_1_pairs_codegen(prefetch=True)
 
 
 @intrinsic
-def _row_dot_q4_1_pairs_far(typingctx, qs, d, m, xqp, dx, xsum, next_qs):
-  """`_row_dot_q4_1_pairs_next` prefetching into L2 (`_common.far_rows`)."""
+def row_dot_q4_1_pairs_far(typingctx, qs, d, m, xqp, dx, xsum, next_qs):
+  """`row_dot_q4_1_pairs_next` prefetching into L2 (`_common.far_rows`)."""
   return (types.float32(qs, d, m, xqp, dx, xsum, next_qs),
           _q4_1_pairs_codegen(prefetch=True, locality=_common.LOCALITY_L2))
 
 
 @intrinsic
-def _row_dot_q8_0_far(typingctx, q, d, xq, dx, next_q):
-  """`_row_dot_q8_0_next` prefetching into L2 (`_common.far_rows`)."""
+def row_dot_q8_0_far(typingctx, q, d, xq, dx, next_q):
+  """`row_dot_q8_0_next` prefetching into L2 (`_common.far_rows`)."""
   return types.float32(q, d, xq, dx, next_q), _row_dot_codegen(prefetch=True,
                                                                 locality=_common.LOCALITY_L2)
 
 
 @intrinsic
-def _row_dot_q8_0_next(typingctx, q, d, xq, dx, next_q):
-  """`_row_dot_q8_0`, prefetching next_q (i8[D], the row read next) over the row."""
+def row_dot_q8_0_next(typingctx, q, d, xq, dx, next_q):
+  """`row_dot_q8_0`, prefetching next_q (i8[D], the row read next) over the row."""
   return types.float32(q, d, xq, dx, next_q), _row_dot_codegen(prefetch=True)
 
 
 @intrinsic
-def _row_dot_q8_0(typingctx, q, d, xq, dx):
+def row_dot_q8_0(typingctx, q, d, xq, dx):
   """f32: sum_b d[b] dx[b] <q[32 b:32 b + 32], xq[32 b:32 b + 32]>. q, xq: i8[D]; d: u16[D/32]
   (f16 bits); dx: f32[D/32]."""
   return types.float32(q, d, xq, dx), _row_dot_codegen()
 
 
-@numba.njit(**_common._JIT)
+@numba.njit(**_common.JIT)
 def quantize_x(x):
   """x: f32[b, D] -> (xq: i8[b, D], dx: f32[b, D/32], xsum: f32[b, D/32]).
 
@@ -296,9 +282,9 @@ def quantize_x(x):
   return xq, dx, xsum
 
 
-@numba.njit(**_common._JIT)
+@numba.njit(**_common.JIT)
 def pair_blocks(xq):
-  """xq: i8[b, D] (`quantize_x`) -> i8[b, D] in the layout `_row_dot_q4_1_pairs` reads: per
+  """xq: i8[b, D] (`quantize_x`) -> i8[b, D] in the layout `row_dot_q4_1_pairs` reads: per
   pair of blocks (p, p + 1), [xq_p[0:16], xq_p+1[0:16], xq_p[16:32], xq_p+1[16:32]], the order
   of a 32-byte Q4_1 code load's low then high nibbles; the last block of an odd count as is."""
   b, dim = xq.shape
@@ -317,13 +303,13 @@ def pair_blocks(xq):
 # 288-byte rows 0.86-0.95x (BUILD_NOTES.md, issue 11).
 SPREAD_MIN_BYTES = 1024
 # Shorter rows prefetch the codes of the row this many ahead, whole (not their scales). With the
-# pair dot (`_row_dot_q4_1_pairs`), SmolLM2's [1536, 576] and [960, 576] Q4_1 matvecs from DRAM
+# pair dot (`row_dot_q4_1_pairs`), SmolLM2's [1536, 576] and [960, 576] Q4_1 matvecs from DRAM
 # ran 1.25-1.3x faster with 4 rows ahead than with the next row's codes, scales and offsets
 # (8 ahead: the same as 4; the scales too: slower; BUILD_NOTES.md, issue 11).
 SHORT_AHEAD = 4
 
 
-@numba.njit(parallel=True, **_common._JIT)
+@numba.njit(parallel=True, **_common.JIT)
 def gemv_q4_1(qs, d, m, x, out):
   """out[r, i] = W[i] . x[r] with x quantized per block. qs: u8[n, D/2]; d, m: u16[n, D/32]
   (f16 bits); x: f32[b, D]; out: f32[b, n]."""
@@ -339,22 +325,22 @@ def gemv_q4_1(qs, d, m, x, out):
         _common.prefetch_row_l2(m[i + 2])
       nxt = min(i + 1, n - 1)
       for r in range(x.shape[0]):
-        out[r, i] = _row_dot_q4_1_pairs_far(qs[i], d[i], m[i], xqp[r], dx[r], xsum[r], qs[nxt])
+        out[r, i] = row_dot_q4_1_pairs_far(qs[i], d[i], m[i], xqp[r], dx[r], xsum[r], qs[nxt])
     elif spread:
       if i + 2 < n:
         _common.prefetch_row(d[i + 2])
         _common.prefetch_row(m[i + 2])
       nxt = min(i + 1, n - 1)
       for r in range(x.shape[0]):
-        out[r, i] = _row_dot_q4_1_pairs_next(qs[i], d[i], m[i], xqp[r], dx[r], xsum[r], qs[nxt])
+        out[r, i] = row_dot_q4_1_pairs_next(qs[i], d[i], m[i], xqp[r], dx[r], xsum[r], qs[nxt])
     else:
       if i + SHORT_AHEAD < n:
         _common.prefetch_row(qs[i + SHORT_AHEAD])
       for r in range(x.shape[0]):
-        out[r, i] = _row_dot_q4_1_pairs(qs[i], d[i], m[i], xqp[r], dx[r], xsum[r])
+        out[r, i] = row_dot_q4_1_pairs(qs[i], d[i], m[i], xqp[r], dx[r], xsum[r])
 
 
-@numba.njit(parallel=True, **_common._JIT)
+@numba.njit(parallel=True, **_common.JIT)
 def gemv_q8_0(q, d, x, out):
   """out[r, i] = W[i] . x[r] with x quantized per block. q: i8[n, D]; d: u16[n, D/32] (f16
   bits); x: f32[b, D]; out: f32[b, n]."""
@@ -368,18 +354,18 @@ def gemv_q8_0(q, d, x, out):
         _common.prefetch_row_l2(d[i + 2])
       nxt = min(i + 1, n - 1)
       for r in range(x.shape[0]):
-        out[r, i] = _row_dot_q8_0_far(q[i], d[i], xq[r], dx[r], q[nxt])
+        out[r, i] = row_dot_q8_0_far(q[i], d[i], xq[r], dx[r], q[nxt])
     elif spread:
       if i + 2 < n:
         _common.prefetch_row(d[i + 2])
       nxt = min(i + 1, n - 1)
       for r in range(x.shape[0]):
-        out[r, i] = _row_dot_q8_0_next(q[i], d[i], xq[r], dx[r], q[nxt])
+        out[r, i] = row_dot_q8_0_next(q[i], d[i], xq[r], dx[r], q[nxt])
     else:
       if i + SHORT_AHEAD < n:
         _common.prefetch_row(q[i + SHORT_AHEAD])
       for r in range(x.shape[0]):
-        out[r, i] = _row_dot_q8_0(q[i], d[i], xq[r], dx[r])
+        out[r, i] = row_dot_q8_0(q[i], d[i], xq[r], dx[r])
 
 
 def quantize_x_reference(x) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -37,21 +37,21 @@ kernels of `host_ops.qdot` instead. The raw kinds take the same paths through `h
 `row_dot` (f32 gemv), `row_dot_int8` (int8 gemv, the block kinds of qblocks.INT8_KINDS; F16 and
 BF16 always run f32) and `row_dequant` (gemm tiles, `dequantize`, `rows_f32`).
 
-Layout per STYLE.md: numba kernels -> QMatrix (validates, dispatches) -> NumPy references.
+Layout per STYLE.md: numba kernels (`host_ops.qmatmul_kernels`) -> QMatrix (validates,
+dispatches) -> NumPy references (here).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import numba
 import numpy as np
 
 from host_ops import _common
 from host_ops import qblocks
 from host_ops import qdot
+from host_ops import qmatmul_kernels as kernels
 from host_ops._common import HostOpError
-from host_ops.qblocks import f16_to_f32 as _f32
 
 BLOCK = 32  # Values per block of Q4_1 and Q8_0.
 Q4_1 = "q4_1"
@@ -88,7 +88,7 @@ DOTS = (DOT_INT8, DOT_F32)
 _GEOMETRY = {Q4_1: (BLOCK, 20), Q8_0: (BLOCK, 34), **qblocks.GEOMETRY}
 # Byte offsets of the f16 scales in one block (raw kinds; F16/BF16: every value), for
 # `QMatrix.all_finite`: NaN/inf can only sit there (codes and 6-/8-bit sub-scales are integers).
-_F16_FIELDS = {Q4_0: (0,), Q5_0: (0,), Q5_1: (0, 2), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,),
+F16_FIELDS = {Q4_0: (0,), Q5_0: (0,), Q5_1: (0, 2), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,),
                F16: (0,), BF16: (0,)}
 
 
@@ -101,179 +101,6 @@ def block_size(kind: str) -> int:
   return _GEOMETRY[kind][0]
 
 
-@numba.njit(inline="always", **_common._JIT)
-def _dot_q4_1(qs_row, d_row, m_row, xlo, xhi, xsum):
-  """One Q4_1 row . x, x given as xlo/xhi (f32[D/2], the first/second 16 values of each block)
-  and xsum (f32[D/32], block sums: the m term). One flat loop with the scale looked up per byte
-  (j >> 4): LLVM vectorizes it; a loop nest over blocks does not."""
-  acc = np.float32(0.0)
-  for j in range(qs_row.shape[0]):
-    c = np.int32(qs_row[j])
-    acc += _f32(d_row[j >> 4]) * (np.float32(c & 15) * xlo[j] + np.float32(c >> 4) * xhi[j])
-  bias = np.float32(0.0)
-  for b in range(m_row.shape[0]):
-    bias += _f32(m_row[b]) * xsum[b]
-  return acc + bias
-
-
-@numba.njit(inline="always", **_common._JIT)
-def _dot_q8_0(q_row, d_row, x):
-  """One Q8_0 row . x (x: f32[D])."""
-  acc = np.float32(0.0)
-  for j in range(q_row.shape[0]):
-    acc += _f32(d_row[j >> 5]) * np.float32(q_row[j]) * x[j]
-  return acc
-
-
-@numba.njit(**_common._JIT)
-def split_q4_1_x(x):
-  """x: f32[b, D] -> (xlo, xhi: f32[b, D/2], xsum: f32[b, D/32]) for `_dot_q4_1`."""
-  b, dim = x.shape
-  nb = dim // 32
-  xlo = np.empty((b, dim // 2), np.float32)
-  xhi = np.empty((b, dim // 2), np.float32)
-  xsum = np.empty((b, nb), np.float32)
-  for r in range(b):
-    for blk in range(nb):
-      s = np.float32(0.0)
-      for k in range(16):
-        lo = x[r, 32 * blk + k]
-        hi = x[r, 32 * blk + 16 + k]
-        xlo[r, 16 * blk + k] = lo
-        xhi[r, 16 * blk + k] = hi
-        s += lo + hi
-      xsum[r, blk] = s
-  return xlo, xhi, xsum
-
-
-@numba.njit(parallel=True, **_common._JIT)
-def _gemv_q4_1_kernel(qs, d, m, x, out):
-  """out[r, i] = W[i] . x[r]. qs: u8[n, D/2]; d, m: u16[n, D/32] (f16 bits); x: f32[b, D];
-  out: f32[b, n]."""
-  xlo, xhi, xsum = split_q4_1_x(x)
-  n = qs.shape[0]
-  for i in numba.prange(n):
-    for r in range(x.shape[0]):
-      out[r, i] = _dot_q4_1(qs[i], d[i], m[i], xlo[r], xhi[r], xsum[r])
-
-
-@numba.njit(parallel=True, **_common._JIT)
-def _gemv_q8_0_kernel(q, d, x, out):
-  """out[r, i] = W[i] . x[r]. q: i8[n, D]; d: u16[n, D/32] (f16 bits); x: f32[b, D];
-  out: f32[b, n]."""
-  n = q.shape[0]
-  for i in numba.prange(n):
-    for r in range(x.shape[0]):
-      out[r, i] = _dot_q8_0(q[i], d[i], x[r])
-
-
-@numba.njit(inline="always", **_common._JIT)
-def _dequant_row_q4_1(qs_row, d_row, m_row, out):
-  """out: f32[D] = one Q4_1 row."""
-  for blk in range(d_row.shape[0]):
-    scale = _f32(d_row[blk])
-    low = _f32(m_row[blk])
-    for k in range(16):
-      c = np.int32(qs_row[16 * blk + k])
-      out[32 * blk + k] = scale * np.float32(c & 15) + low
-      out[32 * blk + 16 + k] = scale * np.float32(c >> 4) + low
-
-
-@numba.njit(inline="always", **_common._JIT)
-def _dequant_row_q8_0(q_row, d_row, out):
-  """out: f32[D] = one Q8_0 row."""
-  for j in range(q_row.shape[0]):
-    out[j] = _f32(d_row[j >> 5]) * np.float32(q_row[j])
-
-
-@numba.njit(inline="always", **_common._JIT)
-def _dot_f32(a, b):
-  acc = np.float32(0.0)
-  for j in range(a.shape[0]):
-    acc += a[j] * b[j]
-  return acc
-
-
-_TILE = 16  # Weight rows dequantized together by the many-row product.
-
-
-@numba.njit(inline="always", **_common._JIT)
-def tile_dots(w, rows, x, out, lo):
-  """out[r, lo + k] = w[k] . x[r] for k < rows, every r: four rows of x per pass over a weight
-  row, so each loaded weight feeds four FMAs."""
-  b = x.shape[0]
-  dim = x.shape[1]
-  r = 0
-  while r + 4 <= b:
-    x0 = x[r]
-    x1 = x[r + 1]
-    x2 = x[r + 2]
-    x3 = x[r + 3]
-    for k in range(rows):
-      wk = w[k]
-      a0 = np.float32(0.0)
-      a1 = np.float32(0.0)
-      a2 = np.float32(0.0)
-      a3 = np.float32(0.0)
-      for j in range(dim):
-        v = wk[j]
-        a0 += v * x0[j]
-        a1 += v * x1[j]
-        a2 += v * x2[j]
-        a3 += v * x3[j]
-      out[r, lo + k] = a0
-      out[r + 1, lo + k] = a1
-      out[r + 2, lo + k] = a2
-      out[r + 3, lo + k] = a3
-    r += 4
-  while r < b:
-    for k in range(rows):
-      out[r, lo + k] = _dot_f32(w[k], x[r])
-    r += 1
-
-
-@numba.njit(parallel=True, **_common._JIT)
-def _gemm_q4_1_kernel(qs, d, m, x, out):
-  """out = x @ W.T for many rows of x: tiles of 16 weight rows are dequantized once into an f32
-  buffer and dotted with every row of x (4 at a time). qs: u8[n, D/2]; d, m: u16[n, D/32]
-  (f16 bits); x: f32[b, D]."""
-  n = qs.shape[0]
-  for tile in numba.prange((n + _TILE - 1) // _TILE):
-    lo = tile * _TILE
-    rows = min(_TILE, n - lo)
-    w = np.empty((_TILE, x.shape[1]), np.float32)
-    for k in range(rows):
-      _dequant_row_q4_1(qs[lo + k], d[lo + k], m[lo + k], w[k])
-    tile_dots(w, rows, x, out, lo)
-
-
-@numba.njit(parallel=True, **_common._JIT)
-def _gemm_q8_0_kernel(q, d, x, out):
-  """`_gemm_q4_1_kernel` for Q8_0 rows."""
-  n = q.shape[0]
-  for tile in numba.prange((n + _TILE - 1) // _TILE):
-    lo = tile * _TILE
-    rows = min(_TILE, n - lo)
-    w = np.empty((_TILE, x.shape[1]), np.float32)
-    for k in range(rows):
-      _dequant_row_q8_0(q[lo + k], d[lo + k], w[k])
-    tile_dots(w, rows, x, out, lo)
-
-
-@numba.njit(parallel=True, **_common._JIT)
-def _dequant_q4_1_kernel(qs, d, m, lo, hi, out):
-  """out[i - lo] = W[i] as f32, rows [lo, hi). out: f32[>= hi - lo, D]."""
-  for i in numba.prange(lo, hi):
-    _dequant_row_q4_1(qs[i], d[i], m[i], out[i - lo])
-
-
-@numba.njit(parallel=True, **_common._JIT)
-def _dequant_q8_0_kernel(q, d, lo, hi, out):
-  """out[i - lo] = W[i] as f32, rows [lo, hi). out: f32[>= hi - lo, D]."""
-  for i in numba.prange(lo, hi):
-    _dequant_row_q8_0(q[i], d[i], out[i - lo])
-
-
 # Bytes of each thread's next row the raw-kind gemv prefetches, per kind: (f32, int8). Measured
 # (2 threads, [11008, 4096] copies cycled from DRAM, G weights/s with the first 1 KB / the whole
 # row / nothing prefetched): int8 Q4_0 32/28/15, Q4_K 40/27/19, Q5_K 29/25/15, Q6_K 14/19/23;
@@ -281,83 +108,6 @@ def _dequant_q8_0_kernel(q, d, lo, hi, out):
 # A run-time byte count, not a flag: `if flag:` around the prefetch cost int8 Q4_K 30 -> 22.
 _PREFETCH_BYTES = {Q4_0: (1024, 1024), Q5_0: (1024, 1024), Q5_1: (1024, 1024),
                    Q4_K: (0, 1024), Q5_K: (0, 1024), Q6_K: (0, 0), F16: (0, 0), BF16: (0, 0)}
-
-
-@numba.njit(inline="always", **_common._JIT)
-def _prefetch_bytes(row, nbytes):
-  """Prefetches the first nbytes (0: none) of a contiguous u8 row."""
-  for e in range(0, min(row.shape[0], nbytes), 64):
-    _common._prefetch(row, e)
-
-
-@numba.njit(parallel=True, **_common._JIT)
-def _gemv_raw_kernel(code, raw, x, out, prefetch):
-  """out[r, i] = W[i] . x[r] for a raw-kind matrix (`qblocks` kind code). raw: u8[n, row bytes];
-  x: f32[b, D]; out: f32[b, n]; prefetch: bytes of its next row each thread prefetches."""
-  xsum = qblocks.block_sums(x)
-  n = raw.shape[0]
-  for i in numba.prange(n):
-    if i + 1 < n:
-      _prefetch_bytes(raw[i + 1], prefetch)
-    for r in range(x.shape[0]):
-      out[r, i] = qblocks.row_dot(code, raw[i], x[r], xsum[r])
-
-
-@numba.njit(parallel=True, **_common._JIT)
-def _gemv_raw_int8_kernel(code, raw, x, out, prefetch):
-  """`_gemv_raw_kernel` with x quantized per block of 32 (`qdot.quantize_x`) and integer block
-  dots (`qblocks.row_dot_int8`; kinds of qblocks.INT8_KINDS, x86 AVX2)."""
-  xq, dx, xsum = qdot.quantize_x(x)
-  n = raw.shape[0]
-  for i in numba.prange(n):
-    if i + 1 < n:
-      _prefetch_bytes(raw[i + 1], prefetch)
-    for r in range(x.shape[0]):
-      out[r, i] = qblocks.row_dot_int8(code, raw[i], xq[r], dx[r], xsum[r])
-
-
-@numba.njit(parallel=True, **_common._JIT)
-def _gemm_raw_kernel(code, raw, x, out):
-  """`_gemm_q4_1_kernel` for a raw-kind matrix: tiles of 16 rows dequantized once, dotted with
-  every row of x. raw: u8[n, row bytes]; x: f32[b, D]; out: f32[b, n]."""
-  n = raw.shape[0]
-  for tile in numba.prange((n + _TILE - 1) // _TILE):
-    lo = tile * _TILE
-    rows = min(_TILE, n - lo)
-    w = np.empty((_TILE, x.shape[1]), np.float32)
-    for k in range(rows):
-      qblocks.row_dequant(code, raw[lo + k], w[k])
-    tile_dots(w, rows, x, out, lo)
-
-
-@numba.njit(parallel=True, **_common._JIT)
-def _dequant_raw_kernel(code, raw, lo, hi, out):
-  """out[i - lo] = W[i] as f32, rows [lo, hi). out: f32[>= hi - lo, D], C-contiguous."""
-  for i in numba.prange(lo, hi):
-    qblocks.row_dequant(code, raw[i], out[i - lo])
-
-
-@numba.njit(parallel=True, **_common._JIT)
-def _rows_raw_kernel(code, raw, ids, out):
-  """out[k] = W[ids[k]] as f32. ids: i64[k] (in range); out: f32[k, D]."""
-  for k in numba.prange(ids.shape[0]):
-    qblocks.row_dequant(code, raw[ids[k]], out[k])
-
-
-@numba.njit(parallel=True, **_common._JIT)
-def _raw_finite_kernel(raw, block_bytes, fields, exp_mask):
-  """False if any 16-bit float at byte offsets `fields` of any block of `raw` (u8[n, row
-  bytes]) has all exponent bits set (inf or NaN; exp_mask 0x7C00 for f16, 0x7F80 for bf16)."""
-  n = raw.shape[0]
-  bad = np.zeros(n, np.bool_)
-  for i in numba.prange(n):
-    row = raw[i]
-    for o in range(0, row.shape[0], block_bytes):
-      for k in range(fields.shape[0]):
-        h = np.int64(row[o + fields[k]]) | (np.int64(row[o + fields[k] + 1]) << 8)
-        if h & exp_mask == exp_mask:
-          bad[i] = True
-  return not bad.any()
 
 
 class QMatrix:
@@ -433,8 +183,8 @@ class QMatrix:
     if self.kind not in RAW_KINDS:
       return all(np.isfinite(a.view(np.float16)).all() for a in self.arrays[1:])
     _common.ensure_host_threads()
-    fields = np.asarray(_F16_FIELDS[self.kind], np.int64)
-    return bool(_raw_finite_kernel(self.arrays[0], _GEOMETRY[self.kind][1], fields,
+    fields = np.asarray(F16_FIELDS[self.kind], np.int64)
+    return bool(kernels.raw_finite_kernel(self.arrays[0], _GEOMETRY[self.kind][1], fields,
                                    0x7F80 if self.kind == BF16 else 0x7C00))
 
   def take_rows(self, rows) -> QMatrix:
@@ -450,7 +200,7 @@ class QMatrix:
     if self.kind in RAW_KINDS:
       out = np.empty((ids.size, self.shape[1]), np.float32)
       _common.ensure_host_threads()
-      _rows_raw_kernel(qblocks.KIND_CODES[self.kind], self.arrays[0], ids, out)
+      kernels.rows_raw_kernel(qblocks.KIND_CODES[self.kind], self.arrays[0], ids, out)
       return out
     return np.stack([self.dequantize(int(i), int(i) + 1)[0] for i in ids]) if ids.size else \
         np.zeros((0, self.shape[1]), np.float32)
@@ -469,11 +219,11 @@ class QMatrix:
           or out.shape[1] != self.shape[1] or not out.flags.c_contiguous):
         raise HostOpError(f"out must be a C-contiguous f32[>= {hi - lo}, {self.shape[1]}], got "
                           f"{out.dtype}{list(out.shape)}")
-      _dequant_raw_kernel(qblocks.KIND_CODES[self.kind], self.arrays[0], lo, hi, out)
+      kernels.dequant_raw_kernel(qblocks.KIND_CODES[self.kind], self.arrays[0], lo, hi, out)
     elif self.kind == Q4_1:
-      _dequant_q4_1_kernel(*self.arrays, lo, hi, out)
+      kernels.dequant_q4_1_kernel(*self.arrays, lo, hi, out)
     else:
-      _dequant_q8_0_kernel(*self.arrays, lo, hi, out)
+      kernels.dequant_q8_0_kernel(*self.arrays, lo, hi, out)
     return out[:hi - lo]
 
   def matmul(self, x, out: np.ndarray | None = None, dot: str = DOT_F32) -> np.ndarray:
@@ -497,18 +247,18 @@ class QMatrix:
     if self.kind in RAW_KINDS:
       code = qblocks.KIND_CODES[self.kind]
       if int8 and self.kind in qblocks.INT8_KINDS:  # Any number of rows: each row's own dot.
-        _gemv_raw_int8_kernel(code, self.arrays[0], x2, out, _PREFETCH_BYTES[self.kind][1])
+        kernels.gemv_raw_int8_kernel(code, self.arrays[0], x2, out, _PREFETCH_BYTES[self.kind][1])
       elif b > GEMV_MAX_ROWS:
-        _gemm_raw_kernel(code, self.arrays[0], x2, out)
+        kernels.gemm_raw_kernel(code, self.arrays[0], x2, out)
       else:
-        _gemv_raw_kernel(code, self.arrays[0], x2, out, _PREFETCH_BYTES[self.kind][0])
+        kernels.gemv_raw_kernel(code, self.arrays[0], x2, out, _PREFETCH_BYTES[self.kind][0])
       return out[0] if squeeze else out
     if self.kind == Q4_1:
       kernel = qdot.gemv_q4_1 if int8 else (
-          _gemm_q4_1_kernel if b > GEMV_MAX_ROWS else _gemv_q4_1_kernel)
+          kernels.gemm_q4_1_kernel if b > GEMV_MAX_ROWS else kernels.gemv_q4_1_kernel)
     else:
       kernel = qdot.gemv_q8_0 if int8 else (
-          _gemm_q8_0_kernel if b > GEMV_MAX_ROWS else _gemv_q8_0_kernel)
+          kernels.gemm_q8_0_kernel if b > GEMV_MAX_ROWS else kernels.gemv_q8_0_kernel)
     kernel(*self.arrays, x2, out)
     return out[0] if squeeze else out
 

@@ -36,7 +36,8 @@ W . x_hat up to the order of f32 adds, and that order is per output row and fixe
 bits whatever R, the group, the batch or the thread count (batched decode equals one sequence).
 
 Layout per STYLE.md: repack (numba) -> IR emitters -> intrinsics -> drivers (`matmul`) ->
-NumPy references (`quantize_k_reference`, `matmul_reference`, `unpack_reference`).
+NumPy references (`x_hat_reference`, `matmul_reference`, `unpack_reference`). The activations'
+two quantizations are `host_ops.act_quant`'s.
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from host_ops import _common
+from host_ops import act_quant
 from host_ops._common import HostOpError
-from host_ops.qblocks import _add, _const, _half_to_float, _load, _vec
+from host_ops.llvm_ir import (F32 as _F32, I8 as _I8, I16 as _I16, I32 as _I32, I64 as _I64,
+                              add as _add, const as _const, half_to_float as _half_to_float,
+                              load as _load, splat as _splat, vec as _vec, x86 as _x86)
 
 G = 16  # Rows interleaved per group.
 Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = range(7)
@@ -67,9 +71,6 @@ UNIT_BYTES = {"q4_0": 288, "q4_1": 320, "q5_0": 352, "q5_1": 384, "q4_k": 2368,
               "q5_k": 2880, "q6_k": 3360}
 MAX_R = 4  # Activation rows per kernel call.
 
-_I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
-                               ir.FloatType())
-
 
 def packable(kind: str, shape: tuple[int, int]) -> bool:
   """Whether a [n, D] matrix of `kind` ("q4_k", ...) can be packed: a kind of KINDS, n a
@@ -78,13 +79,13 @@ def packable(kind: str, shape: tuple[int, int]) -> bool:
 
 
 # ----------------------------------------------------------------------------- repacking
-@numba.njit(inline="always", **_common._JIT)
+@numba.njit(inline="always", **_common.JIT)
 def _put(dst, at, src, lo, n):
   for e in range(n):
     dst[at + e] = src[lo + e]
 
 
-@numba.njit(inline="always", **_common._JIT)
+@numba.njit(inline="always", **_common.JIT)
 def _k_scale_min(s, j):
   """(scale, min) 6-bit pair j of a Q4_K/Q5_K super-block's 12 scale bytes s (ggml's
   get_scale_min_k4)."""
@@ -93,12 +94,12 @@ def _k_scale_min(s, j):
   return (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)
 
 
-@numba.njit(parallel=True, **_common._JIT)
-def _pack_kernel(code, raw, out):
-  """raw: u8[n, units * FILE_BYTES] -> out: u8[n / G, units * UNIT_BYTES] (module docstring)."""
+@numba.njit(parallel=True, **_common.JIT)
+def _pack_kernel(code, raw, out, ub):
+  """raw: u8[n, units * FILE_BYTES] -> out: u8[n / G, units * ub] (module docstring); ub:
+  UNIT_BYTES of the kind."""
   ng = out.shape[0]
-  fb = raw.shape[1] // (out.shape[1] // _unit_bytes(code))
-  ub = _unit_bytes(code)
+  fb = raw.shape[1] // (out.shape[1] // ub)
   units = raw.shape[1] // fb
   for g in numba.prange(ng):
     dst = out[g]
@@ -150,23 +151,6 @@ def _pack_kernel(code, raw, out):
             _put(dst, o + at + 64 * q + 4 * k, src, s + head + 4 * q, 4)
 
 
-@numba.njit(inline="always", **_common._JIT)
-def _unit_bytes(code):
-  if code == Q4_0:
-    return 288
-  if code == Q4_1:
-    return 320
-  if code == Q5_0:
-    return 352
-  if code == Q5_1:
-    return 384
-  if code == Q4_K:
-    return 2368
-  if code == Q5_K:
-    return 2880
-  return 3360
-
-
 def pack(kind: str, raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
   """A [n, D] matrix of the file's blocks (raw: u8[n, row bytes]) in the packed layout:
   u8[n / G, units * UNIT_BYTES[kind]], 64-byte aligned (or written into `out`).
@@ -188,85 +172,11 @@ def pack(kind: str, raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
   elif out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
     raise HostOpError(f"pack: out must be a C-contiguous u8{list(shape)}")
   _common.ensure_host_threads()
-  _pack_kernel(KIND_CODES[kind], raw, out)
+  _pack_kernel(KIND_CODES[kind], raw, out, UNIT_BYTES[kind])
   return out
 
 
-# ----------------------------------------------------------------------------- activations
-@numba.njit(parallel=True, **_common._JIT)
-def quantize_k(x):
-  """x: f32[b, D] (D % 256 == 0) -> Q8_K activations for the K-quant kernels:
-  (xq: i8[b, D], dk: f32[b, D/256], bs32: i16[b, D/32], bs16: i16[b, D/16]).
-
-  Per 256 values: dk = max|x| / 127, xq = rint(x / dk) (0 for a zero block); bs32, bs16: sums
-  of xq over each 32 and 16 values (ggml's `quantize_row_q8_K`, whose bsums are per 16).
-  """
-  b, dim = x.shape
-  nsb = dim // 256
-  xq = np.empty((b, dim), np.int8)
-  dk = np.empty((b, nsb), np.float32)
-  bs32 = np.empty((b, dim // 32), np.int16)
-  bs16 = np.empty((b, dim // 16), np.int16)
-  for job in numba.prange(b * nsb):
-    r = job // nsb
-    u = job % nsb
-    amax = np.float32(0.0)
-    for e in range(256):
-      amax = max(amax, abs(x[r, 256 * u + e]))
-    d = amax / np.float32(127.0)
-    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-    for m in range(16):
-      s = 0
-      for e in range(16):
-        q = np.int32(np.rint(x[r, 256 * u + 16 * m + e] * inv))
-        xq[r, 256 * u + 16 * m + e] = np.int8(q)
-        s += q
-      bs16[r, 16 * u + m] = np.int16(s)
-    for m in range(8):
-      bs32[r, 8 * u + m] = bs16[r, 16 * u + 2 * m] + bs16[r, 16 * u + 2 * m + 1]
-    dk[r, u] = d
-  return xq, dk, bs32, bs16
-
-
-@numba.njit(parallel=True, **_common._JIT)
-def quantize_32(x):
-  """x: f32[b, D] (D % 32 == 0) -> (xq: i8[b, D], dx: f32[b, D/32], xsum: f32[b, D/32]) as
-  `qdot.quantize_x` (per 32 values: dx = max|x| / 127, xq = rint(x / dx), xsum = dx * sum(xq)),
-  parallel over blocks."""
-  b, dim = x.shape
-  nb = dim // 32
-  xq = np.empty((b, dim), np.int8)
-  dx = np.empty((b, nb), np.float32)
-  xsum = np.empty((b, nb), np.float32)
-  for job in numba.prange(b * nb):
-    r = job // nb
-    blk = job % nb
-    amax = np.float32(0.0)
-    for e in range(32):
-      amax = max(amax, abs(x[r, 32 * blk + e]))
-    d = amax / np.float32(127.0)
-    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-    s = 0
-    for e in range(32):
-      q = np.int32(np.rint(x[r, 32 * blk + e] * inv))
-      xq[r, 32 * blk + e] = np.int8(q)
-      s += q
-    dx[r, blk] = d
-    xsum[r, blk] = d * np.float32(s)
-  return xq, dx, xsum
-
-
 # ----------------------------------------------------------------------------- IR
-def _x86(bd, name, ret, args):
-  return cgutils.get_or_insert_function(bd.module, ir.FunctionType(ret, args), name)
-
-
-def _splat(bd, v, n):
-  vt = _vec(v.type, n)
-  first = bd.insert_element(ir.Constant(vt, ir.Undefined), v, _const(_I32, 0))
-  return bd.shuffle_vector(first, ir.Constant(vt, ir.Undefined), _const(_I32, [0] * n))
-
-
 def _bcast4(bd, p, off):
   """The 4 bytes at p + off (i8*) repeated in <32 x i8>."""
   v = bd.load(bd.bitcast(bd.gep(p, [off]), _I32.as_pointer()), align=4)
@@ -288,7 +198,7 @@ def _vshift(bd, v, amount, left=False):
 
 class _Ctx:
   """Per-call values shared by the emitters: intrinsics, pointers to the R activation rows of
-  this kind's quantization (args: grp, then `ACTIVATIONS`, then out, r0, col)."""
+  this kind's quantization (args: grp, then `act_quant.ACTIVATIONS`, then out, r0, col)."""
 
   def __init__(self, context, bd, sig, args, R, k_kind):
     self.bd = bd
@@ -309,6 +219,10 @@ class _Ctx:
       self.x.append(bd.gep(xq.data, [bd.mul(r, self.dim)]))
       for lst, a in zip((self.s1, self.s2, self.s3), scales):
         lst.append(bd.gep(a.data, [bd.mul(r, bd.extract_value(a.shape, 1))]))
+    # The row's units (256 or 32 values) and the f32 sums of 8 outputs: [R][G // 8].
+    self.units = bd.udiv(self.dim, _const(_I64, 256 if k_kind else 32))
+    self.acc_f = [[cgutils.alloca_once_value(bd, ir.Constant(_vec(_F32, 8), [0.0] * 8))
+                   for _ in range(G // 8)] for _ in range(R)]
 
   def madd(self, codes, xb):
     return self.bd.call(self.maddubs, [codes, xb])
@@ -318,6 +232,8 @@ class _Ctx:
 
 
 _M15 = [15] * 32
+_M15V = _const(_I8, _M15)
+_ZI16 = ir.Constant(_vec(_I16, 16), [0] * 16)
 
 
 def _prefetch_spread(bd, p, at, nbytes, ahead):
@@ -346,13 +262,8 @@ def _k_codegen(kind, R, prefetch):
   def codegen(context, builder, sig, args):
     bd = builder
     cx = _Ctx(context, bd, sig, args, R, True)
-    p = cx.p
-    units = bd.udiv(cx.dim, _const(_I64, 256))
-    zi16 = ir.Constant(_vec(_I16, 16), [0] * 16)
+    p, units, acc_f, zi16, m15 = cx.p, cx.units, cx.acc_f, _ZI16, _M15V
     zi32 = ir.Constant(_vec(_I32, 8), [0] * 8)
-    m15 = _const(_I8, _M15)
-    acc_f = [[cgutils.alloca_once_value(bd, ir.Constant(_vec(_F32, 8), [0.0] * 8))
-              for _ in range(W)] for _ in range(R)]
     sumi_p = [[cgutils.alloca_once_value(bd, zi32) for _ in range(W)] for _ in range(R)]
     with cgutils.for_range(bd, units) as loop:
       u = loop.index
@@ -482,13 +393,8 @@ def _b32_codegen(kind, R, prefetch):
   def codegen(context, builder, sig, args):
     bd = builder
     cx = _Ctx(context, bd, sig, args, R, False)
-    p = cx.p
-    units = bd.udiv(cx.dim, _const(_I64, 32))
-    zi16 = ir.Constant(_vec(_I16, 16), [0] * 16)
+    p, units, acc_f, zi16, m15 = cx.p, cx.units, cx.acc_f, _ZI16, _M15V
     ones = ir.Constant(_vec(_I16, 16), [1] * 16)
-    m15 = _const(_I8, _M15)
-    acc_f = [[cgutils.alloca_once_value(bd, ir.Constant(_vec(_F32, 8), [0.0] * 8))
-              for _ in range(W)] for _ in range(R)]
     with cgutils.for_range(bd, units) as loop:
       u = loop.index
       o = bd.mul(u, _const(_I64, ub))
@@ -582,7 +488,7 @@ STREAM_MAX_ROWS = 8
 def _driver(k1, k2, k3, k4):
   """A parallel matmul over one kind's groups with its four R-row kernels."""
 
-  @numba.njit(parallel=True, **_common._JIT)
+  @numba.njit(parallel=True, **_common.JIT)
   def run(packed, xa, out, col0):
     ng = packed.shape[0]
     b = out.shape[0]
@@ -619,12 +525,12 @@ _matmul_q5_k = _driver(_q5_k_1, _q5_k_2, _q5_k_3, _q5_k_4)
 _matmul_q6_k = _driver(_q6_k_1, _q6_k_2, _q6_k_3, _q6_k_4)
 
 
-@numba.njit(**_common._JIT)
+@numba.njit(**_common.JIT)
 def matmul_kernel(code, packed, xa, out, col0):
   """out[:, col0 + G g + i] = row G g + i of the packed matrix (kind `code`) . x_hat, every group
-  g. packed: u8[n / G, units * unit bytes]; xa: `ACTIVATIONS`; out: f32[b, >= col0 + n].
-  Parallel over groups, each read once for up to STREAM_MAX_ROWS activation rows (blocks of R
-  <= MAX_R); above that, tiles of GEMM_TILE groups."""
+  g. packed: u8[n / G, units * unit bytes]; xa: `act_quant.ACTIVATIONS`; out: f32[b,
+  >= col0 + n]. Parallel over groups, each read once for up to STREAM_MAX_ROWS activation rows
+  (blocks of R <= MAX_R); above that, tiles of GEMM_TILE groups."""
   if code == Q4_K:
     _matmul_q4_k(packed, xa, out, col0)
   elif code == Q6_K:
@@ -641,33 +547,9 @@ def matmul_kernel(code, packed, xa, out, col0):
     _matmul_q5_1(packed, xa, out, col0)
 
 
-# The activations every packed kernel takes, quantized both ways (each kind reads its half):
-# (xq8 i8[b, D], dx f32[b, D/32], xsum f32[b, D/32]) from `quantize_32` for the 32-value kinds,
-# (xqk i8[b, D], dk f32[b, D/256], bs32 i16[b, D/32], bs16 i16[b, D/16]) from `quantize_k`.
-ACTIVATIONS = ("xq8", "dx", "xsum", "xqk", "dk", "bs32", "bs16")
-
-
-@numba.njit(**_common._JIT)
-def activations(x, need_32, need_k):
-  """`ACTIVATIONS` of x: f32[b, D]; a half not needed (or D not a multiple of 256 for the K
-  half) is placeholder arrays [b, 1] never read."""
-  b = x.shape[0]
-  if need_32:
-    xq8, dx, xsum = quantize_32(x)
-  else:
-    xq8, dx, xsum = (np.zeros((b, 1), np.int8), np.zeros((b, 1), np.float32),
-                     np.zeros((b, 1), np.float32))
-  if need_k and x.shape[1] % 256 == 0:
-    xqk, dk, bs32, bs16 = quantize_k(x)
-  else:
-    xqk, dk, bs32, bs16 = (np.zeros((b, 1), np.int8), np.zeros((b, 1), np.float32),
-                           np.zeros((b, 1), np.int16), np.zeros((b, 1), np.int16))
-  return xq8, dx, xsum, xqk, dk, bs32, bs16
-
-
 def matmul(kind: str, packed: np.ndarray, x, out: np.ndarray | None = None) -> np.ndarray:
   """x_hat @ W.T for a packed [n, D] matrix: x f32[b, D] -> f32[b, n] (x quantized as the kind
-  reads it: `quantize_k` for the K-quants, `quantize_32` else).
+  reads it: `act_quant.quantize_k` for the K-quants, `quantize_32` else).
 
   Raises:
     HostOpError: an unknown kind, or x / packed of sizes that do not match.
@@ -682,26 +564,12 @@ def matmul(kind: str, packed: np.ndarray, x, out: np.ndarray | None = None) -> n
   if out is None:
     out = np.empty((x.shape[0], n), np.float32)
   _common.ensure_host_threads()
-  xa = activations(x, kind not in K_KINDS, kind in K_KINDS)
+  xa = act_quant.activations(x, kind not in K_KINDS, kind in K_KINDS)
   matmul_kernel(KIND_CODES[kind], packed, xa, out, 0)
   return out[0] if squeeze else out
 
 
 # ----------------------------------------------------------------------------- references
-def quantize_k_reference(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """NumPy reference of `quantize_k` (f32 arithmetic, round half to even)."""
-  x = np.asarray(x, np.float32)
-  b, dim = x.shape
-  blocks = x.reshape(b, dim // 256, 256)
-  dk = (np.abs(blocks).max(-1) / np.float32(127.0)).astype(np.float32)
-  with np.errstate(divide="ignore"):
-    inv = np.where(dk > 0, np.float32(1.0) / dk, np.float32(0.0)).astype(np.float32)
-  xq = np.rint(blocks * inv[..., None]).astype(np.int8).reshape(b, dim)
-  bs16 = xq.reshape(b, dim // 16, 16).astype(np.int64).sum(-1).astype(np.int16)
-  bs32 = xq.reshape(b, dim // 32, 32).astype(np.int64).sum(-1).astype(np.int16)
-  return xq, dk, bs32, bs16
-
-
 def x_hat_reference(kind: str, x) -> np.ndarray:
   """f64[b, D]: the activations as the kernels of `kind` see them (dk * xq per 256 values for
   the K-quants, dx * xq per 32 else)."""
@@ -709,7 +577,7 @@ def x_hat_reference(kind: str, x) -> np.ndarray:
   x = np.asarray(x, np.float32)
   b, dim = x.shape
   if kind in K_KINDS:
-    xq, dk, _, _ = quantize_k_reference(x)
+    xq, dk, _, _ = act_quant.quantize_k_reference(x)
     return (xq.reshape(b, -1, 256).astype(np.float64) * dk[..., None]).reshape(b, dim)
   xq, dx, _ = qdot.quantize_x_reference(x)
   return (xq.reshape(b, -1, 32).astype(np.float64) * dx[..., None]).reshape(b, dim)

@@ -100,7 +100,7 @@ _Q8_SHIFT = 5
 assert Q8_BLOCK == 1 << _Q8_SHIFT
 
 
-@numba.njit(inline="always", **_common._JIT)
+@numba.njit(inline="always", **_common.JIT)
 def _dot_q8(q_row, s_row, x_row):
   """sum_d q_row[d] * s_row[d // 32] * x_row[d] in f32. q_row: i8[D]; s_row: f32[D // 32]."""
   acc = np.float32(0.0)
@@ -109,7 +109,7 @@ def _dot_q8(q_row, s_row, x_row):
   return acc
 
 
-@numba.njit(inline="always", **_common._JIT)
+@numba.njit(inline="always", **_common.JIT)
 def _neuron_q8(gq, gs, uq, us, dq, ds, x_row, acc_row, code, block):
   """acc_row += act(gate . x, up . x) * down for one Q8 neuron.
 
@@ -130,7 +130,7 @@ def _neuron_q8(gq, gs, uq, us, dq, ds, x_row, acc_row, code, block):
         acc_row[base + j] += s * np.float32(dq[base + j])
 
 
-@numba.njit(inline="always", **_common._JIT)
+@numba.njit(inline="always", **_common.JIT)
 def _prefetch_q8(gq, gs, uq, us, dq, ds, ids_row, j, hi, ahead):
   """Prefetches rows and scales of neuron ids_row[j + ahead] if it is in this thread's range."""
   if ahead > 0 and j + ahead < hi:
@@ -143,10 +143,10 @@ def _prefetch_q8(gq, gs, uq, us, dq, ds, ids_row, j, hi, ahead):
     _common.prefetch_head(ds[p])
 
 
-@numba.njit(parallel=True, **_common._JIT)
+@numba.njit(parallel=True, **_common.JIT)
 def _sparse_ffn_q8_kernel(gq, gs, uq, us, dq, ds, x, ids, counts, shared, code, n_threads,
                           ahead, block):
-  """The sparse FFN over Q8 rows; same contract as sparse_ffn._sparse_ffn_f32_kernel.
+  """The sparse FFN over Q8 rows; same contract as sparse_ffn.sparse_ffn_f32_kernel.
 
   gq, uq, dq: i8[n, D]; gs, us, ds: f32[n, D // 32]; x: f32[b, D]; ids: i32[1 or b, k] compacted
   (counts: i32[1 or b]); ahead: prefetch distance (0 off); block: Q8_BLOCK passed at run time.
@@ -218,7 +218,7 @@ def sparse_ffn_host_q8_reference(gate: Q8Rows, up: Q8Rows, down: Q8Rows, x, ids,
   return _common.sparse_ffn_reference(rows_of, x, ids, family)
 
 
-@numba.njit(parallel=True, **_common._JIT)
+@numba.njit(parallel=True, **_common.JIT)
 def _gemv_q8_kernel(q, scales, x):
   """out[r, i] = dequant(q[i]) . x[r].
 

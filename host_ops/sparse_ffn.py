@@ -24,7 +24,7 @@ into its own partial output, partials: f32[n_threads, b, D]; the partials are th
 thread order.
 So a fixed thread count gives bitwise identical results on every run. Dots accumulate in f32.
 
-Layout, per STYLE.md: numba kernel (`_sparse_ffn_f32_kernel`) -> public function
+Layout, per STYLE.md: numba kernel (`sparse_ffn_f32_kernel`) -> public function
 (`sparse_ffn_host`, validates) -> NumPy reference (`sparse_ffn_host_reference`, float64) -> the
 per-layer owner `HostFFNWeights`, which a JAX callback closes over so that only activations and id
 vectors cross it (`pijax.backends.bridge`). Quantized rows: `host_ops.quant`.
@@ -44,7 +44,7 @@ WEIGHT_Q8 = "q8"
 WEIGHT_FORMATS = (WEIGHT_F32, WEIGHT_Q8)
 
 
-@numba.njit(inline="always", **_common._JIT)
+@numba.njit(inline="always", **_common.JIT)
 def _neuron_f32(g_row, u_row, d_row, x_row, acc_row, code):
   """acc_row += act(g_row . x_row, u_row . x_row) * d_row. All f32[D]; acc_row is written."""
   g = np.float32(0.0)
@@ -59,7 +59,7 @@ def _neuron_f32(g_row, u_row, d_row, x_row, acc_row, code):
       acc_row[d] += a * d_row[d]
 
 
-@numba.njit(inline="always", **_common._JIT)
+@numba.njit(inline="always", **_common.JIT)
 def _prefetch_f32(gate, up, down, ids_row, j, hi, ahead):
   """Prefetches the rows of neuron ids_row[j + ahead] when it is still in this thread's range."""
   if ahead > 0 and j + ahead < hi:
@@ -69,8 +69,8 @@ def _prefetch_f32(gate, up, down, ids_row, j, hi, ahead):
     _common.prefetch_head(down[p])
 
 
-@numba.njit(parallel=True, **_common._JIT)
-def _sparse_ffn_f32_kernel(gate, up, down, x, ids, counts, shared, code, n_threads, ahead):
+@numba.njit(parallel=True, **_common.JIT)
+def sparse_ffn_f32_kernel(gate, up, down, x, ids, counts, shared, code, n_threads, ahead):
   """The sparse FFN over f32 rows.
 
   gate, up, down: f32[n, D] neuron-major; x: f32[b, D]; ids: i32[1 or b, k] with each row's valid
@@ -140,7 +140,7 @@ def sparse_ffn_host(gate_rows, up_rows, down_rows, x, ids, family: str) -> np.nd
   x2, squeeze = _common.prepare_x(x, d)
   ids2, counts, shared = _common.prepare_ids(ids, x2.shape[0], n)
   n_threads = _common.ensure_host_threads()
-  y = _sparse_ffn_f32_kernel(gate_rows, up_rows, down_rows, x2, ids2, counts, shared, code,
+  y = sparse_ffn_f32_kernel(gate_rows, up_rows, down_rows, x2, ids2, counts, shared, code,
                              n_threads, _common.PREFETCH_AHEAD)
   return y[0] if squeeze else y
 
@@ -203,11 +203,9 @@ class HostFFNWeights:
   def run_predicted(self, x) -> tuple[np.ndarray, np.ndarray]:
     """Predict-and-compute with `self.lowbit` (f32 rows only): x f32[b, D] ->
     (y: f32[b, D], active: i64[b]); see `host_ops.lowbit`."""
-    from host_ops import lowbit
     if self.lowbit is None or self.weight_format != WEIGHT_F32:
       raise HostOpError("run_predicted needs f32 rows with a low-bit predictor attached")
-    return lowbit.lowbit_sparse_ffn_host(self.lowbit, self.gate, self.up, self.down, x,
-                                         self.family)
+    return self.lowbit.run(self.gate, self.up, self.down, x, self.family)
 
   @property
   def nbytes(self) -> int:

@@ -59,17 +59,17 @@ def test_host_ops_functions_are_stamped_with_the_package():
 
 _RUN = """
 import numpy as np
-from host_ops import decoder
+from host_ops import layers
 g = np.full((1, 3), 2.0, np.float32)
-y = decoder._activation_kernel(g, g, 1)
-print(float(y[0, 0]), sum(decoder._activation_kernel.stats.cache_hits.values()))
+y = layers.activation_kernel(g, g, 1)
+print(float(y[0, 0]), sum(layers.activation_kernel.stats.cache_hits.values()))
 """
 
 
 def test_cached_kernel_reruns_an_edit_in_another_file(tmp_path):
-  """`decoder._activation_kernel` inlines `_common.activation`. In a copy of host_ops, edit
+  """`layers.activation_kernel` inlines `_common.activation`. In a copy of host_ops, edit
   _common.py only: the next process must run the edited activation, not the cached kernel
-  (numba alone keys the kernel on decoder.py and loaded the stale one)."""
+  (numba alone keys the kernel on layers.py and loaded the stale one)."""
   pkg = tmp_path / "host_ops"
   shutil.copytree(HOST_OPS, pkg, ignore=shutil.ignore_patterns("__pycache__"))
   env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}

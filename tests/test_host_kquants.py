@@ -16,6 +16,7 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from host_ops import _common
+from host_ops import llvm_ir
 from host_ops import qblocks
 from host_ops import qdot
 from host_ops import qmatmul
@@ -254,7 +255,7 @@ def test_all_finite_finds_nan_and_inf_scales(kind):
   raw = data.reshape(-1).view(np.uint8).reshape(7, -1).copy()
   values, nbytes = qblocks.GEOMETRY[kind]
   at = nbytes * (dim // values - 1)  # The last block of a row.
-  field = at + qmatmul._F16_FIELDS[kind][-1]
+  field = at + qmatmul.F16_FIELDS[kind][-1]
   for bad in (np.inf, -np.inf, np.nan):
     row = raw.copy()
     if kind == "bf16":
@@ -266,7 +267,7 @@ def test_all_finite_finds_nan_and_inf_scales(kind):
   # Codes are never scales: all-ones code bytes stay finite.
   if kind not in ("f16", "bf16"):
     row = raw.copy()
-    codes = [k for k in range(nbytes) if all(not f <= k < f + 2 for f in qmatmul._F16_FIELDS[kind])]
+    codes = [k for k in range(nbytes) if all(not f <= k < f + 2 for f in qmatmul.F16_FIELDS[kind])]
     row[:, [b * nbytes + k for b in range(dim // values) for k in codes]] = 255
     assert qmatmul.from_gguf_blocks(kind, row, (7, dim)).all_finite()
 
@@ -279,8 +280,8 @@ def _halves_soft(typingctx, src, dst):
     count = builder.udiv(builder.extract_value(s.shape, 0), ir.Constant(ir.IntType(64), 32))
     with cgutils.for_range(builder, count) as loop:
       at = builder.mul(loop.index, ir.Constant(ir.IntType(64), 32))
-      h = qblocks._load(builder, s.data, at, ir.VectorType(ir.IntType(16), 32))
-      v = qblocks._half_to_float(builder, h, hw=False)
+      h = llvm_ir.load(builder, s.data, at, ir.VectorType(ir.IntType(16), 32))
+      v = llvm_ir.half_to_float(builder, h, hw=False)
       builder.store(v, builder.bitcast(builder.gep(d.data, [at]), v.type.as_pointer()), align=4)
     return context.get_dummy_value()
   return types.void(src, dst), codegen

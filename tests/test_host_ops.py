@@ -304,7 +304,7 @@ def test_dot_f32_matches_numpy_in_one_order():
     assert abs(dot(wide, b) - ref) <= 1e-6 * scale, n
 
 
-@numba.njit(**dict(_common._JIT, cache=False))  # The kernels' flags (fastmath).
+@numba.njit(**dict(_common.JIT, cache=False))  # The kernels' flags (fastmath).
 def _activations_in_a_loop(g, u, code):
   """act over arrays in one loop (the shape LLVM vectorizes), as the FFN kernels call it."""
   out = np.empty_like(g)
@@ -313,7 +313,7 @@ def _activations_in_a_loop(g, u, code):
   return out
 
 
-@numba.njit(**dict(_common._JIT, cache=False))
+@numba.njit(**dict(_common.JIT, cache=False))
 def _activation_one(g, u, code):
   return _common.activation(g, u, code)
 

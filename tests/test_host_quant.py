@@ -332,7 +332,7 @@ def test_quantize_q4_1_matches_gguf_quantizer():
 @pytest.mark.parametrize("down_kind", ["q8_0", "q4_1"])
 @pytest.mark.parametrize("f,dim,b", [(96, 64, 3), (77, 160, 2)])
 def test_down_pass_matches_reference(down_kind, dot, f, dim, b):
-  """The down pass over neuron-major rows (`gated_ffn._down_pass`) on random rows and random
+  """The down pass over neuron-major rows (`gated_ffn.down_pass`) on random rows and random
   activations: empty, single, partial (odd counts, so the GROUP and four-row tails run) and
   full active sets, against `down_reference` (the same per-group coefficient quantization for
   Q4_1 with int8) and, within that quantization's error, against the exact product."""
@@ -343,7 +343,7 @@ def test_down_pass_matches_reference(down_kind, dot, f, dim, b):
   exact_rows = qmatmul.dequantize_reference(down_t)
   for frac in (0.0, "single", 0.37, 1.0):
     acts, keep = _masked_acts(rng, b, f, frac)
-    y, counts = gated_ffn._down_pass(acts, down_t.arrays, 2, np.int64(32), dot == "int8")
+    y, counts = gated_ffn.down_pass(acts, down_t.arrays, 2, np.int64(32), dot == "int8")
     np.testing.assert_array_equal(counts, keep.sum(axis=1))
     ref = gated_ffn.down_reference(acts, down_t, dot=dot, n_threads=2)
     scale = max(1.0, np.abs(ref).max())
@@ -860,7 +860,7 @@ def test_down_pass_with_tiny_coefficients_stays_finite():
   down_t = qmatmul.quantize_q4_1(rng.standard_normal((16, 64)).astype(np.float32) * 0.02)
   for scale, expect_zero in ((1e-37, True), (1e-26, False)):
     acts = (rng.standard_normal((1, 16)) * scale).astype(np.float32)
-    y, _ = gated_ffn._down_pass(acts, down_t.arrays, 1, np.int64(32), True)
+    y, _ = gated_ffn.down_pass(acts, down_t.arrays, 1, np.int64(32), True)
     ref = gated_ffn.down_reference(acts, down_t, dot="int8", n_threads=1)
     assert np.isfinite(y).all() and np.isfinite(ref).all()
     exact = acts.astype(np.float64) @ qmatmul.dequantize_reference(down_t)
@@ -890,7 +890,7 @@ def test_file_down_rows_match_reference_and_dense(dot, f, dim, b):
   assert rows.nbytes == sum(a.nbytes for a in down.arrays)  # The file's bytes, no more.
   for frac in (0.0, "single", 0.37, 1.0):
     acts, keep = _masked_acts(rng, b, f, frac)
-    y, counts = gated_ffn._down_pass(acts, rows.arrays, 2, np.int64(32), dot == "int8")
+    y, counts = gated_ffn.down_pass(acts, rows.arrays, 2, np.int64(32), dot == "int8")
     np.testing.assert_array_equal(counts, keep.sum(axis=1))
     ref = gated_ffn.down_reference(acts, rows, dot=dot)
     scale = max(1.0, np.abs(ref).max())

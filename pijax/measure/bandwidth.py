@@ -79,7 +79,7 @@ def _read_all(buf, n_threads):
     whole = lo + (hi - lo) // _LINE_INT64 * _LINE_INT64
     for line in range(lo, whole, _LINE_INT64):
       if line + _READ_AHEAD < hi:
-        host_common._prefetch(buf, line + _READ_AHEAD)
+        host_common.prefetch(buf, line + _READ_AHEAD)
       for k in range(_LINE_INT64):
         acc += buf[line + k]
     for i in range(whole, hi):

@@ -85,7 +85,7 @@ def bench_matvec(mats, dot: str, *, seconds: float, cold_bytes: float,
 
 @dataclasses.dataclass
 class DownPassRow:
-  """One row of the sparse down pass (`host_ops.gated_ffn._down_pass`): neuron-major rows of a
+  """One row of the sparse down pass (`host_ops.gated_ffn.down_pass`): neuron-major rows of a
   format, a fraction of them active, against the dense Q4_1 down matvec of the same shape."""
 
   shape: str
@@ -120,6 +120,6 @@ def time_down_pass(mats, acts: np.ndarray, dot: str, *, threads: int, seconds: f
   copies in turn (`mats`: `down_rows_copies`; dot "f32" or "int8")."""
   from host_ops import gated_ffn
   from host_ops import qmatmul
-  return _time_calls(lambda i: gated_ffn._down_pass(
+  return _time_calls(lambda i: gated_ffn.down_pass(
       acts, mats[i].arrays, threads, np.int64(qmatmul.BLOCK), dot == qmatmul.DOT_INT8),
       len(mats), seconds)
