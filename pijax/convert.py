@@ -136,8 +136,13 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
                    if opts.cost_model else None)
   kind = resolve_predictor_kind(cfg, opts.predictor_kind)
   check_budget(cfg, opts)
-  workdir = opts.workdir or tempfile.mkdtemp(
-      prefix="pijax-convert-", dir=os.path.dirname(os.path.abspath(opts.out)) or None)
+  parent = os.path.dirname(os.path.abspath(opts.out))
+  try:  # --out=bundles/x in a fresh checkout: make bundles/ (mkdir -p), as the README runs it.
+    os.makedirs(parent, exist_ok=True)
+  except OSError as err:
+    raise ConfigError(f"--out={opts.out}: cannot make its folder {parent} ({err.strerror}).") \
+        from None
+  workdir = opts.workdir or tempfile.mkdtemp(prefix="pijax-convert-", dir=parent)
   try:
     t0 = time.perf_counter()
     prof = profile_model(model, opts.calibration, workdir, target_sparsity=opts.target_sparsity,

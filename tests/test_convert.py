@@ -179,6 +179,29 @@ def test_convert_refuses_existing_out_and_tiny_budget(converted, shared_dir, tmp
   assert not [p for p in os.listdir(tmp_path) if p.startswith("tiny_budget.tmp")]
 
 
+def test_convert_makes_the_out_folders_parent(smollm2, shared_dir, tmp_path, monkeypatch):
+  """--out=bundles/x in a fresh checkout (bundles/ missing) reached mkdtemp in the missing
+  folder and died with a FileNotFoundError traceback (found running the README): the parent is
+  made, as mkdir -p, and the work folder lands in it."""
+  from pijax import convert as convert_mod
+
+  class Reached(Exception):
+    pass
+
+  def stop(model, calibration, workdir, **kwargs):
+    assert os.path.dirname(workdir) == str(tmp_path / "new" / "deeper")
+    raise Reached
+
+  monkeypatch.setattr(convert_mod, "profile_model", stop)
+  opts = convert_mod.ConvertOptions(
+      calibration=str(shared_dir / "data" / "tinyshakespeare" / "input.txt"),
+      out=str(tmp_path / "new" / "deeper" / "b"), device_budget_bytes=int(0.4e9),
+      ranks=(16, 32), progress=False)
+  with pytest.raises(Reached):
+    convert_mod.convert(smollm2, opts)
+  assert (tmp_path / "new" / "deeper").is_dir() and not (tmp_path / "new" / "deeper" / "b").exists()
+
+
 def test_budget_too_small_fails_before_profiling(smollm2, shared_dir, tmp_path, monkeypatch):
   """A budget that cannot hold the dense part is refused at once, not after profiling."""
   from pijax import convert as convert_mod
