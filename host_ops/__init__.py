@@ -19,6 +19,6 @@ from host_ops import _cache  # noqa: E402  (the package's own private module: on
 # Before any kernel module is imported: their cache entries are keyed on all of host_ops.
 _cache.install()
 
-from host_ops._common import HostOpError, get_host_threads, set_host_threads  # noqa: E402
+from host_ops.common import HostOpError, get_host_threads, set_host_threads  # noqa: E402
 
 __all__ = ["HostOpError", "get_host_threads", "set_host_threads"]

@@ -2,7 +2,7 @@
 
 numba stamps a cached function with the hash of the file that defines it. The host kernels
 inline and link kernels from other files (`layers.layers_kernel` runs `qdot`'s, `gated_ffn`'s
-and `_common`'s), so after an edit to `qdot.py` a cache of `layers_kernel` still loaded and ran
+and `common`'s), so after an edit to `qdot.py` a cache of `layers_kernel` still loaded and ran
 the old kernels: stale code after a `git pull`, and wrong timings in development (BUILD_NOTES.md,
 issue 11). `install()` puts `PackageLocator` first among numba's cache locators: for functions
 defined in host_ops it keeps the directory numba would have chosen and stamps the entry with

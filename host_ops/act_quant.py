@@ -14,10 +14,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from host_ops import _common
+from host_ops import common
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def quantize_k(x):
   """x: f32[b, D] (D % 256 == 0) -> Q8_K activations for the K-quant kernels:
   (xq: i8[b, D], dk: f32[b, D/256], bs32: i16[b, D/32], bs16: i16[b, D/16]).
@@ -52,7 +52,7 @@ def quantize_k(x):
   return xq, dk, bs32, bs16
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def quantize_32(x):
   """x: f32[b, D] (D % 32 == 0) -> (xq: i8[b, D], dx: f32[b, D/32], xsum: f32[b, D/32]) as
   `qdot.quantize_x` (per 32 values: dx = max|x| / 127, xq = rint(x / dx), xsum = dx * sum(xq)),
@@ -86,7 +86,7 @@ def quantize_32(x):
 ACTIVATIONS = ("xq8", "dx", "xsum", "xqk", "dk", "bs32", "bs16")
 
 
-@numba.njit(**_common.JIT)
+@numba.njit(**common.JIT)
 def activations(x, need_32, need_k):
   """`ACTIVATIONS` of x: f32[b, D]; a half not needed (or D not a multiple of 256 for the K
   half) is placeholder arrays [b, 1] never read."""

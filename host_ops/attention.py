@@ -13,10 +13,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from host_ops import _common
+from host_ops import common
 
 
-@numba.njit(**_common.JIT)
+@numba.njit(**common.JIT)
 def rms_norm(x, scale, eps):
   """x: f32[b, D] -> x / sqrt(mean(x^2) + eps) * scale (sum of squares in f64)."""
   out = np.empty_like(x)
@@ -30,7 +30,7 @@ def rms_norm(x, scale, eps):
   return out
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _rope_head(src, dst, cos_t, sin_t, adjacent):
   """dst = src (one head, f32[H]) with its first R = 2 len(cos_t) dims rotated."""
   half = cos_t.shape[0]
@@ -47,7 +47,7 @@ def _rope_head(src, dst, cos_t, sin_t, adjacent):
     dst[c] = x0 * sin_t[j] + x1 * cos_t[j]
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _head_norm(src, dst, scale, eps):
   """dst = RMSNorm(src) * scale over one head (f32[H]); a no-op copy when scale is empty."""
   if scale.shape[0] == 0:
@@ -62,7 +62,7 @@ def _head_norm(src, dst, scale, eps):
     dst[j] = src[j] * inv * scale[j]
 
 
-@numba.njit(parallel=True, **_common.JIT_ORDERED)
+@numba.njit(parallel=True, **common.JIT_ORDERED)
 def attention(qkv, cache_k, cache_v, slots, positions, cos, sin, adjacent, n_heads, n_kv, scale,
               window, q_norm, k_norm, eps):
   """Causal grouped-query attention for N new tokens, writing their keys and values first.
@@ -98,7 +98,7 @@ def attention(qkv, cache_k, cache_v, slots, positions, cos, sin, adjacent, n_hea
     scores = np.empty(last + 1 - first, np.float32)
     top = np.float32(-np.inf)
     for t in range(first, last + 1):
-      acc = _common.dot_f32(q, cache_k[s, t, kv]) * scale
+      acc = common.dot_f32(q, cache_k[s, t, kv]) * scale
       scores[t - first] = acc
       top = max(top, acc)
     total = np.float32(0.0)

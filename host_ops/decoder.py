@@ -34,14 +34,14 @@ import mmap
 
 import numpy as np
 
-from host_ops import _common
+from host_ops import common
 from host_ops import attention as attn_lib
 from host_ops import gated_ffn
 from host_ops import pool as pool_lib
 from host_ops import qdot
 from host_ops import qmatmul
 from host_ops import qpack
-from host_ops._common import HostOpError
+from host_ops.common import HostOpError
 # PHASES and RECORD_* are part of the decoder's API (`phase_cycles`, `calibrate_gate_cuts`).
 from host_ops.layers import HostLayer  # noqa: F401 (API: the decoder is built from these)
 from host_ops.layers import (NO_DOWN_T, NO_PHASES, NO_RECORD, NO_UP, PHASES,
@@ -117,7 +117,7 @@ class HostDecoder:
     if dot not in qmatmul.DOTS:
       raise HostOpError(f"dot must be one of {', '.join(qmatmul.DOTS)}, got {dot!r}")
     self._dot = dot if qdot.AVAILABLE else qmatmul.DOT_F32
-    self.code = _common.family_code(family)
+    self.code = common.family_code(family)
     if n_heads % n_kv_heads or rope_dim > head_dim or rope_dim % 2:
       raise HostOpError(f"bad attention shape: {n_heads} heads, {n_kv_heads} KV heads, head_dim "
                         f"{head_dim}, rope_dim {rope_dim}")
@@ -296,7 +296,7 @@ class HostDecoder:
     shape = (self.n_layers, int(batch), int(max_seq_len), self.n_kv_heads, self.head_dim)
     nbytes = 2 * 4 * self.n_layers * int(batch) * int(max_seq_len) * self.n_kv_heads * \
         self.head_dim  # Python ints: no overflow.
-    ram = _common.physical_memory_bytes()
+    ram = common.physical_memory_bytes()
     if ram and nbytes > ram:  # Lazily resident, but a full cache must fit in memory.
       raise HostOpError(f"a KV cache of {batch} slots x {max_seq_len} tokens needs "
                         f"{nbytes / 2 ** 30:.1f} GiB, more than this machine's "
@@ -364,7 +364,7 @@ class HostDecoder:
         else:
           w = quantize(np.ascontiguousarray(layer.down.dequantize().T))
         if i == 0:
-          stacked_t = tuple(_common.empty_aligned((self.n_layers,) + a.shape, a.dtype)
+          stacked_t = tuple(common.empty_aligned((self.n_layers,) + a.shape, a.dtype)
                             for a in w.arrays)
         for stacked, a in zip(stacked_t, w.arrays):
           stacked[i] = a
@@ -388,10 +388,10 @@ class HostDecoder:
     for i, layer in enumerate(self.layers):  # One layer's split copy at a time.
       arrays = layer.up.parts[0].qmatrix().arrays
       if stacked is None:
-        stacked = tuple(_common.empty_aligned((n_layers,) + a.shape, a.dtype) for a in arrays)
+        stacked = tuple(common.empty_aligned((n_layers,) + a.shape, a.dtype) for a in arrays)
       for s, a in zip(stacked, arrays):
         s[i] = a
-    if self.code in (_common.FAMILY_CODES["reglu"], _common.FAMILY_CODES["drelu"]):
+    if self.code in (common.FAMILY_CODES["reglu"], common.FAMILY_CODES["drelu"]):
       return self._build_up_records(stacked)
     return stacked
 
@@ -406,7 +406,7 @@ class HostDecoder:
     n_layers, f = parts[0].shape[:2]
     widths = [a.shape[2] * a.itemsize for a in parts]
     row = -(-sum(widths) // 64) * 64
-    buf = _common.empty_aligned((n_layers, f, row), np.uint8)
+    buf = common.empty_aligned((n_layers, f, row), np.uint8)
     views, start = [], 0
     for a, width in zip(parts, widths):
       view = buf[:, :, start:start + width].view(a.dtype)
@@ -425,7 +425,7 @@ class HostDecoder:
     if len(values) != self.n_layers:
       raise HostOpError(f"enable_gated needs {self.n_layers} {name} (one per layer), got "
                         f"{len(values)}")
-    return [float(_common.cut_value(f"enable_gated: {name}", v)) for v in values]
+    return [float(common.cut_value(f"enable_gated: {name}", v)) for v in values]
 
   @property
   def down_format(self) -> str | None:
@@ -528,7 +528,7 @@ class HostDecoder:
       HostOpError: arrays of other lengths, a slot or position outside the cache, a
         (slot, position) given twice, bad ids.
     """
-    tokens, slots, positions = (_common.int_array(f"forward_rows: {name}", a) for name, a in (
+    tokens, slots, positions = (common.int_array(f"forward_rows: {name}", a) for name, a in (
         ("tokens", tokens), ("slots", slots), ("positions", positions)))
     self._check_cache(cache)
     n = tokens.shape[0]
@@ -543,7 +543,7 @@ class HostDecoder:
     if np.unique(slots * cache.max_seq_len + positions).shape[0] != n:
       raise HostOpError("forward_rows: a (slot, position) appears twice in one pass")
     if rows is not None:
-      rows = _common.int_array("forward_rows: rows", rows)
+      rows = common.int_array("forward_rows: rows", rows)
       if rows.size == 0 or rows.min() < 0 or rows.max() >= n:
         raise HostOpError(f"forward_rows: rows must index the {n} tokens (0..{n - 1}), got "
                           f"{rows.tolist()[:8]}")
@@ -571,7 +571,7 @@ class HostDecoder:
     x = self.embedding.rows_f32(tokens)  # [N, D]
     if self.embedding_scale != 1.0:
       x *= np.float32(self.embedding_scale)
-    n_threads = _common.ensure_host_threads()
+    n_threads = common.ensure_host_threads()
     if self.gate_cuts is None or record_mode != RECORD_NONE:
       cuts, up, dt = np.zeros((0, 2), np.float32), NO_UP, NO_DOWN_T
     else:
@@ -673,7 +673,7 @@ def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
     x = x + norm(mm(layer.attn_out, attn), layer.post_attn_norm)
     h = norm(x, layer.ffn_norm)
     if dec.gate_cuts is None:
-      a = _common.activation_reference(mm(layer.gate, h), mm(layer.up, h), dec.family)
+      a = common.activation_reference(mm(layer.gate, h), mm(layer.up, h), dec.family)
       y = mm(layer.down, a)
     else:
       y = gated_ffn.gated_ffn_reference(mm(layer.gate, h), h, layer.up.parts[0].qmatrix(),

@@ -38,11 +38,11 @@ from numba.core import cgutils
 from numba.core import types
 from numba.extending import intrinsic
 
-from host_ops import _common
+from host_ops import common
 from host_ops import qblocks
 from host_ops import qdot
 from host_ops import qmatmul
-from host_ops._common import HostOpError
+from host_ops.common import HostOpError
 from host_ops.llvm_ir import (F32 as _F32, I8 as _I8, I16 as _I16, I32 as _I32, I64 as _I64,
                               half_to_float as _half_to_float, load as _load, splat as _splat,
                               vec as _vec, x86 as _x86)
@@ -61,7 +61,7 @@ DOWN_BLOCK_BYTES = {qmatmul.Q8_0: (34, 0), qmatmul.Q4_1: (20, 0), DOWN_FILE: (16
 AHEAD = 3
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _add_row_q8_0(acc, a, q_row, d_row, block):
   """acc += a * dequant(q_row) (acc: f32[D]; q_row: i8[D]; d_row: u16[D/32], f16 bits; block =
   32 passed at run time: with a constant inner trip count LLVM unrolls the loop and cannot
@@ -74,7 +74,7 @@ def _add_row_q8_0(acc, a, q_row, d_row, block):
       acc[base + j] += s * np.float32(q_row[base + j])
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _add_rows4_q8_0(acc, a, ids, dt_q, dt_d, block):
   """acc += sum_k a[k] * dequant(dt_q[ids[k]]) for k < 4 in one pass over acc (one row at a
   time loads and stores acc once per row: 7B shapes, 25% of the rows, 1.8 -> 1.4 ms)."""
@@ -90,7 +90,7 @@ def _add_rows4_q8_0(acc, a, ids, dt_q, dt_d, block):
           (s2 * np.float32(q2[k]) + s3 * np.float32(q3[k]))
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _add_rows4_q4_1(acc, a, i4, qs, dd, mm, half):
   """acc += sum_k a[k] * dequant(Q4_1 row i4[k]) for k < 4 (f32 products; qs u8[F, D/2], dd, mm
   u16[F, D/32] f16 bits; half = 16 at run time, see `_add_row_q8_0`). Low nibbles are values
@@ -161,17 +161,17 @@ def _add_group_q4_1(typingctx, acc, qs, ids, cq, cs, ts):
       scale = _splat(builder, builder.load(builder.gep(csp, [b])), 16)
       offset = _splat(builder, builder.load(builder.gep(tsp, [b])), 16)
       for h in range(2):
-        part = _common.fma(builder, builder.sitofp(builder.sext(sums[h], vec(_I32, 16)),
+        part = common.fma(builder, builder.sitofp(builder.sext(sums[h], vec(_I32, 16)),
                                                    vec(_F32, 16)), scale, offset)
         ptr = builder.bitcast(builder.gep(accp, [builder.add(builder.mul(
             b, ir.Constant(b.type, 32)), ir.Constant(b.type, 16 * h))]), vec(_F32, 16).as_pointer())
-        builder.store(_common.fadd(builder, builder.load(ptr, align=4), part), ptr, align=4)
+        builder.store(common.fadd(builder, builder.load(ptr, align=4), part), ptr, align=4)
     return context.get_dummy_value()
 
   return sig, codegen
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _group_coefs(acts_r, ids8, n, dd, mm, c, cq, cs, ts):
   """The integer group's coefficients: for rows ids8[:n] (the rest padding, coefficient 0) and
   each block b, c = a_k d_k[b] quantized to cq[k, b] = rint(c / cs[b]), cs[b] = max_k |c| / 127;
@@ -199,7 +199,7 @@ def _group_coefs(acts_r, ids8, n, dd, mm, c, cq, cs, ts):
       cq[k, b] = np.int8(np.rint(c[k, b] * inv))
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def _down_threads_q4_1(acts, ids, counts, qs, dd, mm, partials, n_threads, half):
   """`_down_threads` for neuron-major Q4_1 rows, f32 products, four rows at a time."""
   for t in numba.prange(n_threads):
@@ -220,7 +220,7 @@ def _down_threads_q4_1(acts, ids, counts, qs, dd, mm, partials, n_threads, half)
         j += 4
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def _down_threads_q4_1_int8(acts, ids, counts, qs, dd, mm, partials, n_threads, half):
   """`_down_threads` for neuron-major Q4_1 rows, GROUP rows at a time in integers (module
   docstring; only where qdot.AVAILABLE). Rows are prefetched two groups ahead."""
@@ -247,12 +247,12 @@ def _down_threads_q4_1_int8(acts, ids, counts, qs, dd, mm, partials, n_threads, 
         j += GROUP
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _prefetch_q4_1(ids, j, hi, qs, dd, mm):
   """Prefetches Q4_1 row ids[j]: codes, scales and offsets."""
-  _common.prefetch_at(ids, j, hi, qs)
-  _common.prefetch_at(ids, j, hi, dd)
-  _common.prefetch_at(ids, j, hi, mm)
+  common.prefetch_at(ids, j, hi, qs)
+  common.prefetch_at(ids, j, hi, dd)
+  common.prefetch_at(ids, j, hi, mm)
 
 
 # ---------------------------------------------------------------- the file's blocks, transposed
@@ -290,7 +290,7 @@ def _add_block_file_next(typingctx, acc, qs, ids, cq, n_pairs, dm, scale, offset
 
 def _add_block_file_codegen():
   """LLVM IR of `_add_block_file_next`."""
-  locality = _common.LOCALITY_L2
+  locality = common.LOCALITY_L2
 
   def codegen(context, builder, signature, args):
     accp, qsp, idp, cqp, dmp = (context.make_array(signature.args[k])(context, builder,
@@ -336,15 +336,15 @@ def _add_block_file_codegen():
       off = builder.mul(c, ir.Constant(c.type, 16))
       # The next block's d and m at these 32 outputs (64 bytes each) ...
       o32 = builder.mul(c, ir.Constant(c.type, 32))
-      _common.emit_prefetch(builder, builder.gep(ndmp, [o32]), locality)
-      _common.emit_prefetch(builder, builder.gep(ndmp, [builder.add(dim, o32)]), locality)
+      common.emit_prefetch(builder, builder.gep(ndmp, [o32]), locality)
+      common.emit_prefetch(builder, builder.gep(ndmp, [builder.add(dim, o32)]), locality)
       # ... and every 4th chunk (64 code bytes) the line at this offset of each next row.
       first = builder.icmp_unsigned("==", builder.and_(c, ir.Constant(c.type, 3)),
                                     ir.Constant(c.type, 0))
       with builder.if_then(first):
         with cgutils.for_range(builder, next_n) as rows_loop:
           nrow = builder.load(builder.gep(nidp, [rows_loop.index]))
-          _common.emit_prefetch(builder, builder.gep(qsp, [builder.add(builder.mul(nrow, half),
+          common.emit_prefetch(builder, builder.gep(qsp, [builder.add(builder.mul(nrow, half),
                                                                        off)]), locality)
       for h in range(2):
         builder.store(ir.Constant(vec(_I32, 16), [0] * 16), i32_p[h])
@@ -372,16 +372,16 @@ def _add_block_file_codegen():
         m = _half_to_float(builder, _load(builder, dmp, builder.add(dim, o),
                                                        vec(_I16, 16)))
         isum = builder.sitofp(builder.load(i32_p[h]), vec(_F32, 16))
-        part = _common.fma(builder, isum, _common.fmul(builder, d, scale_v),
-                           _common.fmul(builder, m, offset_v))
+        part = common.fma(builder, isum, common.fmul(builder, d, scale_v),
+                           common.fmul(builder, m, offset_v))
         ptr = builder.bitcast(builder.gep(accp, [o]), vec(_F32, 16).as_pointer())
-        builder.store(_common.fadd(builder, builder.load(ptr, align=4), part), ptr, align=4)
+        builder.store(common.fadd(builder, builder.load(ptr, align=4), part), ptr, align=4)
     return context.get_dummy_value()
 
   return codegen
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _gather_block(ids_r, j, hi, xq_r, out_ids, out_cq):
   """The run of ids_r[j:hi] in ids_r[j]'s block of 32 neurons: copies the ids and their
   activation codes into out_ids, out_cq; returns (count, sum of the codes). (0, 0) at j = hi."""
@@ -398,7 +398,7 @@ def _gather_block(ids_r, j, hi, xq_r, out_ids, out_cq):
   return n, isum
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def _down_threads_file_int8(acts, ids, counts, qs, dm, partials, n_threads):
   """The down pass over `FileDownRows` in integers: acts quantized per block of 32 neurons
   (`qdot.quantize_x`), then each thread walks its contiguous share of a row's nonzero list one
@@ -418,7 +418,7 @@ def _down_threads_file_int8(acts, ids, counts, qs, dm, partials, n_threads):
       hi = (t + 1) * counts[r] // n_threads
       n, isum = _gather_block(ids[r], lo, hi, xq[r], ids_a, cq_a)
       for k in range(n):
-        _common.prefetch_row(qs[ids_a[k]])
+        common.prefetch_row(qs[ids_a[k]])
       j = lo
       while n > 0:
         blk = ids_a[0] // blk_n
@@ -436,7 +436,7 @@ def _down_threads_file_int8(acts, ids, counts, qs, dm, partials, n_threads):
         n, isum = n2, isum2
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def _down_threads_file(acts, ids, counts, qs, dm, partials, n_threads):
   """The down pass over `FileDownRows` in f32 (exact activations; the reference path where
   qdot.AVAILABLE is False): acc[o] += a * (d[o, b] q[o, n] + m[o, b]), one neuron at a time."""
@@ -527,7 +527,7 @@ def _down_rows(acts, ids, counts, dt, partials, n_threads, block, int8):
   raise NotImplementedError("_down_rows runs inside numba-compiled code only")
 
 
-@numba_extending.overload(_down_rows, jit_options=_common.JIT)
+@numba_extending.overload(_down_rows, jit_options=common.JIT)
 def _down_rows_overload(acts, ids, counts, dt, partials, n_threads, block, int8):
   if len(dt) == 2 and dt[1].ndim == 3:  # FileDownRows: (codes, dm u16[F/32, 2, D]).
     if not qdot.AVAILABLE:
@@ -566,14 +566,14 @@ def _down_dim(dt, block):
   raise NotImplementedError("_down_dim runs inside numba-compiled code only")
 
 
-@numba_extending.overload(_down_dim, jit_options=_common.JIT)
+@numba_extending.overload(_down_dim, jit_options=common.JIT)
 def _down_dim_overload(dt, block):
   if len(dt) == 2 and dt[1].ndim == 3:
     return lambda dt, block: dt[1].shape[2]
   return lambda dt, block: dt[1].shape[1] * block
 
 
-@numba.njit(**_common.JIT)
+@numba.njit(**common.JIT)
 def down_pass(acts, dt, n_threads, block, int8):
   """Pass 2: y[r] = sum over i with acts[r, i] != 0 of acts[r, i] * down_t[i]; returns (y, counts).
 
@@ -599,7 +599,7 @@ def down_pass(acts, dt, n_threads, block, int8):
   return y, counts
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def _down_threads(acts, ids, counts, dt_q, dt_d, partials, n_threads, block):
   for t in numba.prange(n_threads):
     four = np.empty(4, np.int64)
@@ -608,14 +608,14 @@ def _down_threads(acts, ids, counts, dt_q, dt_d, partials, n_threads, block):
       lo = t * counts[r] // n_threads
       hi = (t + 1) * counts[r] // n_threads
       for j in range(lo, min(lo + AHEAD, hi)):
-        _common.prefetch_at(ids[r], j, hi, dt_q)
-        _common.prefetch_at(ids[r], j, hi, dt_d)
+        common.prefetch_at(ids[r], j, hi, dt_q)
+        common.prefetch_at(ids[r], j, hi, dt_d)
       j = lo
       while j < hi:
         if j + 4 <= hi:
           for k in range(4):
-            _common.prefetch_at(ids[r], j + AHEAD + k, hi, dt_q)
-            _common.prefetch_at(ids[r], j + AHEAD + k, hi, dt_d)
+            common.prefetch_at(ids[r], j + AHEAD + k, hi, dt_q)
+            common.prefetch_at(ids[r], j + AHEAD + k, hi, dt_d)
             four[k] = ids[r, j + k]
             a4[k] = acts[r, four[k]]
           _add_rows4_q8_0(partials[t, r], a4, four, dt_q, dt_d, block)
@@ -649,7 +649,7 @@ def down_reference(acts, down_t: qmatmul.QMatrix, *, dot: str = qmatmul.DOT_F32,
     return (x @ down_t.dequantize()).astype(np.float32)
   if not (down_t.kind == qmatmul.Q4_1 and dot == qmatmul.DOT_INT8 and qdot.AVAILABLE):
     return (acts.astype(np.float64) @ qmatmul.dequantize_reference(down_t)).astype(np.float32)
-  n_threads = n_threads or _common.ensure_host_threads()
+  n_threads = n_threads or common.ensure_host_threads()
   qs, d, m = down_t.arrays
   n, dim = down_t.shape
   nb = dim // qmatmul.BLOCK

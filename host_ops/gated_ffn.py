@@ -30,18 +30,18 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from host_ops import _common
+from host_ops import common
 from host_ops import qdot
 from host_ops import qmatmul
 from host_ops import qmatmul_kernels
-from host_ops._common import HostOpError
+from host_ops.common import HostOpError
 from host_ops.gated_down import AHEAD, down_pass
 # The down rows' formats and their reference, used with gated_ffn by the decoder and the bench.
 from host_ops.gated_down import (DOWN_BLOCK_BYTES, DOWN_FILE, DOWN_KINDS,  # noqa: F401
                                  FileDownRows, down_reference)
 
 
-@numba.njit(**_common.JIT)
+@numba.njit(**common.JIT)
 def _active_ids(g, cut, code):
   """Per row, the neurons whose gate passes: ids i32[b, F] (valid first), counts i64[b].
 
@@ -63,7 +63,7 @@ def _active_ids(g, cut, code):
     for i in range(f):
       gi = g[r, i]
       if code == 0:
-        keep = abs(_common.silu_f32(gi)) >= cut
+        keep = abs(common.silu_f32(gi)) >= cut
       else:
         keep = gi > 0
       ids[r, c] = i
@@ -72,35 +72,35 @@ def _active_ids(g, cut, code):
   return ids, counts
 
 
-# Rows ahead that the gathered up pass prefetches into L2 (`_common.far_gather`). 7B Q4_1 up
+# Rows ahead that the gathered up pass prefetches into L2 (`common.far_gather`). 7B Q4_1 up
 # rows, 50% read, from DRAM, alternated in one process: 1 row 679-711 us, 2 573-635, 4 575-613,
 # 6 569-630 (BUILD_NOTES.md, issue 11).
 FAR_AHEAD = 4
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _prefetch_up(ids, j, hi, up_w, up_d, up_m, q4):
   """Prefetches up row ids[j]: codes, scales and (Q4_1) offsets."""
-  _common.prefetch_at(ids, j, hi, up_w)
-  _common.prefetch_at(ids, j, hi, up_d)
+  common.prefetch_at(ids, j, hi, up_w)
+  common.prefetch_at(ids, j, hi, up_d)
   if q4:
-    _common.prefetch_at(ids, j, hi, up_m)
+    common.prefetch_at(ids, j, hi, up_m)
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _contribution(a, cut):
   """a, or 0 when the neuron's contribution |a| is below the cut (cut 0: a unchanged)."""
   return np.float32(0.0) if cut > 0 and abs(a) < cut else a
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _contribution_row(out, g, u, cut, code):
   """out[i] = act(g[i], u[i]) with the contribution cut (`_contribution`), one row of neurons."""
   for i in range(g.shape[0]):
-    out[i] = _contribution(_common.activation(g[i], u[i], code), cut)
+    out[i] = _contribution(common.activation(g[i], u[i], code), cut)
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def up_pass(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
   """Pass 1: (acts f32[b, F]: act(g, up . h) for the neurons whose gate passes cuts[0] and whose
   |act| reaches cuts[1] (the contribution cut; 0: off), 0 elsewhere; passed i64[b]: how many
@@ -133,11 +133,11 @@ def up_pass(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
           u = qmatmul_kernels.dot_q4_1(up_w[i], up_d[i], up_m[i], xlo[r], xhi[r], xsum[r])
         else:
           u = qmatmul_kernels.dot_q8_0(up_w[i], up_d[i], h[r])
-        acts[r, i] = _contribution(_common.activation(g[r, i], u, code), cuts[1])
+        acts[r, i] = _contribution(common.activation(g[r, i], u, code), cuts[1])
   return acts, counts
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def up_pass_int8(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
   """`up_pass` with up . h an integer dot on h quantized per block (`host_ops.qdot`; compiled
   only where qdot.AVAILABLE). When SwiGLU's gate cut is 0 (the contribution rule) every up row
@@ -150,7 +150,7 @@ def up_pass_int8(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
       qdot.gemv_q4_1(up_w, up_d, up_m, h, u)
     else:
       qdot.gemv_q8_0(up_w, up_d, h, u)
-    # Vectorized over neurons (`_common.silu_f32`); one decode row serially: a parallel loop
+    # Vectorized over neurons (`common.silu_f32`); one decode row serially: a parallel loop
     # over neurons cost SmolLM2 ~10 us per layer more. Prefill rows in parallel.
     acts = np.empty((b, f), np.float32)
     if b == 1:
@@ -168,32 +168,32 @@ def up_pass_int8(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
   # region: in the row loop they halved its rows/s. 7B shapes from DRAM, 2 threads, 50% of
   # rows passing: 1.75-1.96x the dense gemv's time per row before, 1.28 now (BUILD_NOTES.md,
   # issue 11).
-  far = _common.far_gather(up_w.shape[1])
+  far = common.far_gather(up_w.shape[1])
   for t in numba.prange(n_threads):
     for r in range(b):
       lo = t * counts[r] // n_threads
       hi = (t + 1) * counts[r] // n_threads
-      if far:  # Rows of >= 1 KB: prefetched into L2 (`_common.far_gather`), FAR_AHEAD ahead.
+      if far:  # Rows of >= 1 KB: prefetched into L2 (`common.far_gather`), FAR_AHEAD ahead.
         for j in range(lo, min(lo + FAR_AHEAD, hi)):
-          _common.prefetch_row_l2(up_w[ids[r, j]])
+          common.prefetch_row_l2(up_w[ids[r, j]])
       elif lo < hi:
-        _common.prefetch_row(up_w[ids[r, lo]])
+        common.prefetch_row(up_w[ids[r, lo]])
       for j in range(lo, hi):
         i = ids[r, j]
         if far:
           nxt = ids[r, j + FAR_AHEAD] if j + FAR_AHEAD < hi else i
-          _common.prefetch_row_l2(up_d[nxt])
+          common.prefetch_row_l2(up_d[nxt])
           if q4:
-            _common.prefetch_row_l2(up_m[nxt])
+            common.prefetch_row_l2(up_m[nxt])
             u[r, j] = qdot.row_dot_q4_1_pairs_far(up_w[i], up_d[i], up_m[i], xqp[r], dx[r],
                                                    xsum[r], up_w[nxt])
           else:
             u[r, j] = qdot.row_dot_q8_0_far(up_w[i], up_d[i], xq[r], dx[r], up_w[nxt])
           continue
         nxt = ids[r, j + 1] if j + 1 < hi else i
-        _common.prefetch_row(up_d[nxt])
+        common.prefetch_row(up_d[nxt])
         if q4:
-          _common.prefetch_row(up_m[nxt])
+          common.prefetch_row(up_m[nxt])
           u[r, j] = qdot.row_dot_q4_1_pairs_next(up_w[i], up_d[i], up_m[i], xqp[r], dx[r],
                                                   xsum[r], up_w[nxt])
         else:
@@ -202,11 +202,11 @@ def up_pass_int8(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4):
   for r in range(b):
     for j in range(counts[r]):
       i = ids[r, j]
-      acts[r, i] = _contribution(_common.activation(g[r, i], u[r, j], code), cuts[1])
+      acts[r, i] = _contribution(common.activation(g[r, i], u[r, j], code), cuts[1])
   return acts, counts
 
 
-@numba.njit(**_common.JIT)
+@numba.njit(**common.JIT)
 def _gated_kernel(g, h, up_w, up_d, up_m, dt, cuts, code, n_threads, block, q4):
   """y[r] = sum over active i of act(g[r, i], up_i . h[r]) * down_t[i]; returns (y, active
   i64[b]: neurons with a nonzero activation, passed i64[b]: neurons whose gate passed).
@@ -222,7 +222,7 @@ def _gated_kernel(g, h, up_w, up_d, up_m, dt, cuts, code, n_threads, block, q4):
   return y, counts, passed
 
 
-@numba.njit(**_common.JIT)
+@numba.njit(**common.JIT)
 def _gated_int8_kernel(g, h, up_w, up_d, up_m, dt, cuts, code, n_threads, block, q4):
   """`_gated_kernel` with up . h as an integer dot on h quantized per block (`host_ops.qdot`),
   and Q4_1 down rows added in integers (`gated_down._add_group_q4_1`)."""
@@ -258,23 +258,23 @@ def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
   Raises:
     HostOpError: shapes or formats that do not match, an unknown dot.
   """
-  code = _common.family_code(family)
+  code = common.family_code(family)
   g = np.ascontiguousarray(g, np.float32)
-  h, _ = _common.prepare_x(h, up.shape[1])
+  h, _ = common.prepare_x(h, up.shape[1])
   f = up.shape[0]
   if g.shape != (h.shape[0], f) or down_t.shape != up.shape or down_t.kind not in DOWN_KINDS:
     raise HostOpError(f"gated_ffn: g {g.shape}, h {h.shape}, up {up.shape}, down_t "
                       f"{down_t.kind} {down_t.shape} do not match (down_t must be "
                       f"{' or '.join(DOWN_KINDS)} [F, D])")
-  cuts = np.array([_common.cut_value("gated_ffn: cut", cut),
-                   _common.cut_value("gated_ffn: contribution_cut", contribution_cut)])
+  cuts = np.array([common.cut_value("gated_ffn: cut", cut),
+                   common.cut_value("gated_ffn: contribution_cut", contribution_cut)])
   if dot not in qmatmul.DOTS:
     raise HostOpError(f"gated_ffn: dot must be one of {', '.join(qmatmul.DOTS)}, got {dot!r}")
   q4 = up.kind == qmatmul.Q4_1
   m = up.arrays[2] if q4 else up.arrays[1]  # Q8_0: a placeholder u16[F, D/32], never read.
   kernel = _gated_int8_kernel if dot == qmatmul.DOT_INT8 and qdot.AVAILABLE else _gated_kernel
   return kernel(g, h, up.arrays[0], up.arrays[1], m, down_t.arrays, cuts, code,
-                _common.ensure_host_threads(), np.int64(qmatmul.BLOCK), q4)
+                common.ensure_host_threads(), np.int64(qmatmul.BLOCK), q4)
 
 
 def gated_ffn_reference(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
@@ -286,10 +286,10 @@ def gated_ffn_reference(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, c
     u = qdot.matmul_reference(up.kind, up.arrays, np.asarray(h, np.float32)).astype(np.float64)
   else:
     u = np.asarray(h, np.float64) @ qmatmul.dequantize_reference(up).T
-  a = _common.activation_reference(g, u, family)
+  a = common.activation_reference(g, u, family)
   if family == "swiglu":
     with np.errstate(over="ignore"):
-      keep = np.abs(_common.activation_reference(g, 1.0, family)) >= cut
+      keep = np.abs(common.activation_reference(g, 1.0, family)) >= cut
   else:
     keep = g > 0
   a = np.where(keep, a, 0.0)

@@ -19,7 +19,7 @@ import numba
 import numpy as np
 from numba import extending as numba_extending
 
-from host_ops import _common
+from host_ops import common
 from host_ops import act_quant
 from host_ops import attention as attn_lib
 from host_ops import gated_down
@@ -59,13 +59,13 @@ class HostLayer:
     return (self.qkv, self.attn_out, self.gate, self.up, self.down)
 
 
-@numba.njit(**_common.JIT)
+@numba.njit(**common.JIT)
 def activation_kernel(g, u, code):
   """act(g, u) elementwise for the FFN family `code`; g, u: f32[b, F]."""
   out = np.empty_like(g)
   for r in range(g.shape[0]):
     for j in range(g.shape[1]):
-      out[r, j] = _common.activation(g[r, j], u[r, j], code)
+      out[r, j] = common.activation(g[r, j], u[r, j], code)
   return out
 
 
@@ -84,18 +84,18 @@ ROLES = ("qkv", "attn_out", "gate", "up", "down")
 QKV, ATTN_OUT, GATE, UP, DOWN = range(5)
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def stamp(phases, i, k, t_prev):
   """Adds the cycles since t_prev to phases[i, k] and returns now (nothing when phases is
   empty)."""
   if phases.shape[0] == 0:
     return t_prev
-  now = _common.cycle_counter()
+  now = common.cycle_counter()
   phases[i, k] += now - t_prev
   return now
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def product(pool, mats, ids, needs, x, out, int8):
   """out = x @ W.T for a role of the pool (`pool.pool_matmul`), x quantized as its kinds read
   it (needs: (per-32, per-256) flags)."""
@@ -110,7 +110,7 @@ def layer_gated(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
   raise NotImplementedError("layer_gated runs inside numba-compiled code only")
 
 
-@numba_extending.overload(layer_gated, jit_options=_common.JIT)
+@numba_extending.overload(layer_gated, jit_options=common.JIT)
 def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
   """`gated_ffn.gated_ffn`'s passes for stacked up rows (Q4_1 (qs, d, m) or Q8_0 (q, d), each
   [L, F, ...]: separate C arrays, or views into one record per row, `_build_up_records`) and
@@ -123,7 +123,7 @@ def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases
     layer_dt = lambda dt, i: (dt[0][i], dt[1][i], dt[2][i])  # noqa: E731
   else:
     layer_dt = lambda dt, i: (dt[0][i], dt[1][i])  # noqa: E731
-  layer_dt = numba.njit(inline="always", **_common.JIT)(layer_dt)
+  layer_dt = numba.njit(inline="always", **common.JIT)(layer_dt)
   # Without AVX2 the integer up pass is never compiled (a decoder's dot is then "f32": int8 is
   # always False there).
   up_int8 = gated_ffn.up_pass_int8 if qdot.AVAILABLE else gated_ffn.up_pass
@@ -140,7 +140,7 @@ def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases
   return impl
 
 
-@numba.njit(**_common.JIT)
+@numba.njit(**common.JIT)
 def layers_kernel(x, slots, positions, pool, mats, roles, needs, norms, extras, cache_k,
                    cache_v, cos, sin, rope_of, windows, adjacent, n_heads, n_kv, head_dim, scale,
                    eps, code, int8, cuts, up_w, dt, active, passed, n_threads, phases, record,
@@ -172,7 +172,7 @@ def layers_kernel(x, slots, positions, pool, mats, roles, needs, norms, extras, 
       f += mats[roles[0, GATE, p], pool_lib.M_ROWS]
   g = np.empty((rows, f), np.float32)
   u = np.empty((rows, f), np.float32)
-  t_prev = _common.cycle_counter() if phases.shape[0] else 0
+  t_prev = common.cycle_counter() if phases.shape[0] else 0
   for i in range(roles.shape[0]):
     h = attn_lib.rms_norm(x, norms[i, 0], eps)
     product(pool, mats, roles[i, QKV], needs[i, QKV], h, qkv, int8)
@@ -210,7 +210,7 @@ def layers_kernel(x, slots, positions, pool, mats, roles, needs, norms, extras, 
       elif record_mode == RECORD_GATE:
         for r in range(rows):
           for j in range(f):
-            record[i, r, j] = abs(_common.activation(g[r, j], np.float32(1.0),
+            record[i, r, j] = abs(common.activation(g[r, j], np.float32(1.0),
                                                      0 if code == 0 else 1))
       product(pool, mats, roles[i, DOWN], needs[i, DOWN], a, ffn, int8)
     if post_ffn.shape[1]:

@@ -2,7 +2,7 @@
 
 Types, vector constants, unaligned loads, x86 intrinsic declarations and the f16/bf16 -> f32
 conversions every block kernel emits. IEEE-ordered float ops (`fadd`, `fmul`, `fma`, `hsum`) and
-prefetches are in `host_ops._common`.
+prefetches are in `host_ops.common`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numba
 from llvmlite import ir
 from numba.core import cgutils
 
-from host_ops import _common
+from host_ops import common
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), \
     ir.FloatType()
@@ -20,7 +20,7 @@ LANES = 32  # Default vector width of `vec` and `splat`: one 32-value group.
 
 
 def _host_has_f16c() -> bool:
-  if not _common.IS_X86 or numba.config.CPU_NAME:
+  if not common.IS_X86 or numba.config.CPU_NAME:
     return False  # Elsewhere (or compiling for another CPU) `fpext half` may become a libcall.
   try:
     return bool(llvmlite.binding.get_host_cpu_features().get("f16c"))
@@ -98,7 +98,7 @@ def half_to_float(bd, h, hw=None):
   o = bd.add(o, c((127 - 15) << 23))
   o_inf = bd.add(o, c((128 - 16) << 23))  # Inf/NaN: exponent all ones, mantissa kept.
   magic = ir.Constant(ft, [2.0 ** -14] * n) if vector else ir.Constant(ft, 2.0 ** -14)
-  o_sub = bd.bitcast(_common.fsub(bd, bd.bitcast(bd.add(o, c(1 << 23)), ft), magic), it)
+  o_sub = bd.bitcast(common.fsub(bd, bd.bitcast(bd.add(o, c(1 << 23)), ft), magic), it)
   o = bd.select(bd.icmp_unsigned("==", exp, c(0x7C00 << 13)), o_inf,
                 bd.select(bd.icmp_unsigned("==", exp, c(0)), o_sub, o))
   o = bd.or_(o, bd.shl(bd.and_(u, c(0x8000)), c(16)))

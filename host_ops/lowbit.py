@@ -22,14 +22,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from host_ops import _common
+from host_ops import common
 from host_ops import sparse_ffn
-from host_ops._common import HostOpError
+from host_ops.common import HostOpError
 
 BLOCK = 32  # Values per scale block (16 bytes of codes).
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _dot_q4(codes_row, scales_row, xe, xo):
   """sum_j w_j x_j for one 4-bit row: codes_row u8[D/2], scales_row f32[D/32], xe/xo = x[0::2],
   x[1::2] (f32[D/2]).
@@ -45,7 +45,7 @@ def _dot_q4(codes_row, scales_row, xe, xo):
   return total
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def _lowbit_active_kernel(gate_codes, gate_scales, up_codes, up_scales, xe, xo, cut, code):
   """Predicted active ids per row: (ids: i32[b, n], valid first, -1 after; counts: i32[b])."""
   b = xe.shape[0]
@@ -55,7 +55,7 @@ def _lowbit_active_kernel(gate_codes, gate_scales, up_codes, up_scales, xe, xo, 
     for r in range(b):
       g_est = _dot_q4(gate_codes[i], gate_scales[i], xe[r], xo[r])
       u_est = _dot_q4(up_codes[i], up_scales[i], xe[r], xo[r])
-      keep[r, i] = abs(_common.activation(g_est, u_est, code)) >= cut
+      keep[r, i] = abs(common.activation(g_est, u_est, code)) >= cut
   ids = np.full((b, n), -1, dtype=np.int32)
   counts = np.zeros(b, dtype=np.int32)
   for r in range(b):
@@ -122,15 +122,15 @@ def lowbit_sparse_ffn_host(pred: LowbitPredictor, gate, up, down, x, family: str
   if d % BLOCK or pred.gate_codes.shape != (n, d // 2) or x.shape[1] != d:
     raise HostOpError(f"rows [{n}, {d}], codes {pred.gate_codes.shape} and x {x.shape} disagree "
                       f"(D must be a multiple of {BLOCK})")
-  code = _common.family_code(family)
-  n_threads = _common.ensure_host_threads()
+  code = common.family_code(family)
+  n_threads = common.ensure_host_threads()
   xe, xo = np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2])
   # Pass 1: the predicted active ids; pass 2: the exact rows of those ids only, with the
   # sparse op's prefetching (one fused loop with a branch per neuron was slower).
   ids, counts = _lowbit_active_kernel(pred.gate_codes, pred.gate_scales, pred.up_codes,
                                       pred.up_scales, xe, xo, np.float32(pred.cut), code)
   y = sparse_ffn.sparse_ffn_f32_kernel(gate, up, down, x, ids, counts, False, code, n_threads,
-                                        _common.PREFETCH_AHEAD)
+                                        common.PREFETCH_AHEAD)
   return y, counts.astype(np.int64)
 
 
@@ -144,7 +144,7 @@ def dequantize_q4_reference(codes, scales) -> np.ndarray:
   return q * np.repeat(np.asarray(scales, np.float64), BLOCK, axis=1)
 
 
-activation_reference = _common.activation_reference  # One NumPy definition for host_ops.
+activation_reference = common.activation_reference  # One NumPy definition for host_ops.
 
 
 def lowbit_sparse_ffn_host_reference(pred: LowbitPredictor, gate, up, down, x, family: str

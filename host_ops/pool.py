@@ -25,12 +25,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from host_ops import _common
+from host_ops import common
 from host_ops import qblocks
 from host_ops import qmatmul
 from host_ops import qmatmul_kernels
 from host_ops import qpack
-from host_ops._common import HostOpError
+from host_ops.common import HostOpError
 
 PACKED, ROWS = 0, 1  # Layouts of a matrix in the pool.
 MAX_PARTS = 3  # Matrices side by side in one role (q | k | v).
@@ -40,24 +40,24 @@ GEMV_MAX_ROWS = qmatmul.GEMV_MAX_ROWS
 
 
 # ----------------------------------------------------------------------------- drivers
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def _rows_int8(code, raw, xq8, dx, xsum, out, col):
   """out[r, col + i] = raw row i . x_hat[r] (per-32 activations); the next row prefetched."""
   n = raw.shape[0]
   for i in numba.prange(n):
     if i + 1 < n:
-      _common.prefetch_row(raw[i + 1])
+      common.prefetch_row(raw[i + 1])
     for r in range(out.shape[0]):
       out[r, col + i] = qblocks.row_dot_int8(code, raw[i], xq8[r], dx[r], xsum[r])
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def _rows_f32(code, raw, x, xsum, out, col):
   """out[r, col + i] = raw row i . x[r] (f32 activations, one row at a time)."""
   n = raw.shape[0]
   for i in numba.prange(n):
     if i + 1 < n:
-      _common.prefetch_row(raw[i + 1])
+      common.prefetch_row(raw[i + 1])
     for r in range(out.shape[0]):
       out[r, col + i] = qblocks.row_dot(code, raw[i], x[r], xsum[r])
 
@@ -65,7 +65,7 @@ def _rows_f32(code, raw, x, xsum, out, col):
 _TILE = 16
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def _tiles_f32(code, raw, x, out, col):
   """out[:, col:col + n] = x @ W.T for many rows: 16 weight rows dequantized at a time."""
   n = raw.shape[0]
@@ -83,7 +83,7 @@ def _tiles_f32(code, raw, x, out, col):
         out[r, col + lo + k] = part[r, k]
 
 
-@numba.njit(**_common.JIT)
+@numba.njit(**common.JIT)
 def pool_matmul(pool, mats, ids, xa, x, xsum, out, int8):
   """out[:, :] = x @ W.T for the role whose matrix ids (-1 padded) are `ids`, their outputs side
   by side (the first part's rows first).
@@ -256,7 +256,7 @@ class WeightPool:
         entry.append((part, packed, total, row_bytes))
         total += -(-groups * row_bytes // 64) * 64
       plan.append(entry)
-    self.pool = _common.empty_aligned((max(total, 64),), np.uint8)
+    self.pool = common.empty_aligned((max(total, 64),), np.uint8)
     mats = []
     self.roles = []
     for i in range(len(plan)):

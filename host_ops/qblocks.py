@@ -72,7 +72,7 @@ from numba.core import cgutils
 from numba.core import types
 from numba.extending import intrinsic
 
-from host_ops import _common
+from host_ops import common
 from host_ops.llvm_ir import HAS_F16C  # noqa: F401 (API: whether f16 converts in hardware)
 from host_ops.llvm_ir import (F32 as _F32, I8 as _I8, I16 as _I16, I32 as _I32, I64 as _I64,
                               add as _add, bf16_to_float as _bf16_to_float, const as _const,
@@ -169,7 +169,7 @@ def _centered(bd, codes, d, center, unsigned):
   the offset -center * d instead (the same values, exactly: d * code and center * d are exact
   in f32), which lets the integer dot skip the sign transfer."""
   if unsigned:
-    return _Group(codes, d, _common.fmul(bd, d, ir.Constant(_F32, -float(center))), 0)
+    return _Group(codes, d, common.fmul(bd, d, ir.Constant(_F32, -float(center))), 0)
   return _Group(bd.sub(codes, _const(_I8, [center] * 32)), d, None, 0)
 
 
@@ -227,8 +227,8 @@ def _k_scale_min(bd, p, o):
 def _k_unit(bd, p, o, five, unsigned=False):
   """Q4_K (five False) or Q5_K super-block: 8 groups, scale d * sc_j, offset -dmin * m_j."""
   sc, mn = _k_scale_min(bd, p, o)
-  scales = _common.fmul(bd, bd.uitofp(sc, _vec(_F32, 8)), _splat(bd, _f16_at(bd, p, o), 8))
-  offsets = bd.fneg(_common.fmul(bd, bd.uitofp(mn, _vec(_F32, 8)),
+  scales = common.fmul(bd, bd.uitofp(sc, _vec(_F32, 8)), _splat(bd, _f16_at(bd, p, o), 8))
+  offsets = bd.fneg(common.fmul(bd, bd.uitofp(mn, _vec(_F32, 8)),
                             _splat(bd, _f16_at(bd, p, _add(bd, o, 2)), 8)))
   qs_at = 48 if five else 16
   qh = _load(bd, p, _add(bd, o, 16), _vec(_I8, 32)) if five else None
@@ -246,7 +246,7 @@ def _k_unit(bd, p, o, five, unsigned=False):
 def _q6_k_unit(bd, p, o, unsigned=False):
   d = _f16_at(bd, p, _add(bd, o, 208))
   # <16 x float>: d * the scale of each 16 values.
-  scales = _common.fmul(bd, bd.sitofp(_load(bd, p, _add(bd, o, 192), _vec(_I8, 16)),
+  scales = common.fmul(bd, bd.sitofp(_load(bd, p, _add(bd, o, 192), _vec(_I8, 16)),
                                       _vec(_F32, 16)), _splat(bd, d, 16))
   groups = []
   for h in range(2):
@@ -325,12 +325,12 @@ def _row_dot_codegen(kind):
         x_lo = _load(bd, x.data, at, _vec(_F32, 16))
         x_hi = _load(bd, x.data, _add(bd, at, 16), _vec(_F32, 16))
         if isinstance(g.scale, tuple):  # One scale per 16 values.
-          acc = _fmuladd(bd, _common.fmul(bd, q_lo, x_lo), _bcast(bd, g.scale[0], 16), acc)
-          acc = _fmuladd(bd, _common.fmul(bd, q_hi, x_hi), _bcast(bd, g.scale[1], 16), acc)
+          acc = _fmuladd(bd, common.fmul(bd, q_lo, x_lo), _bcast(bd, g.scale[0], 16), acc)
+          acc = _fmuladd(bd, common.fmul(bd, q_hi, x_hi), _bcast(bd, g.scale[1], 16), acc)
         elif g.scale is None:
           acc = _fmuladd(bd, q_hi, x_hi, _fmuladd(bd, q_lo, x_lo, acc))
         else:
-          t = _fmuladd(bd, q_hi, x_hi, _common.fmul(bd, q_lo, x_lo))
+          t = _fmuladd(bd, q_hi, x_hi, common.fmul(bd, q_lo, x_lo))
           acc = _fmuladd(bd, t, _bcast(bd, g.scale, 16), acc)
         accs[k % 2] = acc
       for acc_p, acc in zip(acc_ps, accs):
@@ -343,9 +343,9 @@ def _row_dot_codegen(kind):
         (g,) = unit.groups
         s = bd.load(bd.gep(xsum.data, [sums_at]))
         bd.store(_fmuladd(bd, g.offset, s, bd.load(bias1_p)), bias1_p)
-    acc = _common.fadd(bd, bd.load(acc_ps[0]), bd.load(acc_ps[1]))
-    total = _common.fadd(bd, _common.hsum(bd, acc), _common.hsum(bd, bd.load(bias_p)))
-    return _common.fadd(bd, total, bd.load(bias1_p))
+    acc = common.fadd(bd, bd.load(acc_ps[0]), bd.load(acc_ps[1]))
+    total = common.fadd(bd, common.hsum(bd, acc), common.hsum(bd, bd.load(bias_p)))
+    return common.fadd(bd, total, bd.load(bias1_p))
 
   return codegen
 
@@ -364,12 +364,12 @@ def _row_dequant_codegen(kind):
         vals = _float_codes(bd, g)
         if isinstance(g.scale, tuple):
           lo, hi = _halves(bd, vals)
-          vals = _concat(bd, _common.fmul(bd, lo, _bcast(bd, g.scale[0], 16)),
-                         _common.fmul(bd, hi, _bcast(bd, g.scale[1], 16)))
+          vals = _concat(bd, common.fmul(bd, lo, _bcast(bd, g.scale[0], 16)),
+                         common.fmul(bd, hi, _bcast(bd, g.scale[1], 16)))
         elif g.scale is not None:
-          vals = _common.fmul(bd, vals, _bcast(bd, g.scale, 32))
+          vals = common.fmul(bd, vals, _bcast(bd, g.scale, 32))
         if g.offset is not None:
-          vals = _common.fadd(bd, vals, _bcast(bd, g.offset, 32))
+          vals = common.fadd(bd, vals, _bcast(bd, g.offset, 32))
         ptr = bd.gep(out.data, [_add(bd, base, g.start)])
         bd.store(vals, bd.bitcast(ptr, _vec(_F32).as_pointer()), align=1)
     return context.get_dummy_value()
@@ -422,13 +422,13 @@ def _row_dot_int8_codegen(kind):
           w, xv = bd.call(psign, [w, w]), bd.call(psign, [xv, w])
         isum = bd.sitofp(bd.call(maddwd, [bd.call(maddubs, [w, xv]), ones]), _vec(_F32, 8))
         if isinstance(g.scale, _Lane) and dx8 is not None:  # Q4_K/Q5_K: lane j, group j.
-          vec = scaled.setdefault(id(g.scale.vec), _common.fmul(bd, g.scale.vec, dx8))
+          vec = scaled.setdefault(id(g.scale.vec), common.fmul(bd, g.scale.vec, dx8))
           scale = _bcast(bd, _Lane(vec, g.scale.lane), 8)
         elif isinstance(g.scale, tuple) and dx8 is not None:  # Q6_K: lanes 2j, 2j + 1, group j.
           first, second = g.scale
           if id(first.vec) not in scaled:
             dx16 = bd.shuffle_vector(dx8, dx8, _const(_I32, [lane // 2 for lane in range(16)]))
-            scaled[id(first.vec)] = _common.fmul(bd, first.vec, dx16)
+            scaled[id(first.vec)] = common.fmul(bd, first.vec, dx16)
           vec = scaled[id(first.vec)]
           scale = bd.shuffle_vector(vec, vec, _const(_I32, [first.lane] * 4 + [second.lane] * 4))
         else:
@@ -437,9 +437,9 @@ def _row_dot_int8_codegen(kind):
             first, second = g.scale
             pair = bd.shuffle_vector(first.vec, first.vec,
                                      _const(_I32, [first.lane] * 4 + [second.lane] * 4))
-            scale = _common.fmul(bd, pair, _splat(bd, dxg, 8))
+            scale = common.fmul(bd, pair, _splat(bd, dxg, 8))
           else:
-            scale = _splat(bd, _common.fmul(bd, g.scale, dxg), 8)
+            scale = _splat(bd, common.fmul(bd, g.scale, dxg), 8)
         accs[k % 2] = _fmuladd(bd, isum, scale, accs[k % 2])
       for acc_p, acc in zip(acc_ps, accs):
         bd.store(acc, acc_p)
@@ -450,9 +450,9 @@ def _row_dot_int8_codegen(kind):
         (g,) = unit.groups
         s = bd.load(bd.gep(xsum.data, [sums_at]))
         bd.store(_fmuladd(bd, g.offset, s, bd.load(bias1_p)), bias1_p)
-    acc = _common.fadd(bd, bd.load(acc_ps[0]), bd.load(acc_ps[1]))
-    total = _common.fadd(bd, _common.hsum(bd, acc), _common.hsum(bd, bd.load(bias_p)))
-    return _common.fadd(bd, total, bd.load(bias1_p))
+    acc = common.fadd(bd, bd.load(acc_ps[0]), bd.load(acc_ps[1]))
+    total = common.fadd(bd, common.hsum(bd, acc), common.hsum(bd, bd.load(bias_p)))
+    return common.fadd(bd, total, bd.load(bias1_p))
 
   return codegen
 
@@ -536,13 +536,13 @@ def bf16_to_f32(typingctx, bits):
   return _scalar_sig(None)(typingctx, bits)
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _u16_at(row, j):
   """Element j of a row of 16-bit values stored as bytes (little-endian)."""
   return np.int64(row[2 * j]) | (np.int64(row[2 * j + 1]) << 8)
 
 
-@numba.njit(**_common.JIT)
+@numba.njit(**common.JIT)
 def block_sums(x):
   """x: f32[b, D] -> f32[b, D // 32]: the sum of each 32-value group (the offset terms)."""
   b, dim = x.shape
@@ -556,7 +556,7 @@ def block_sums(x):
   return sums
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def row_dot(code, row, x, xsum):
   """f32: row . x for a row of kind `code` (u8[row bytes]); x: f32[D]; xsum: f32[D // 32]."""
   if code == Q4_0:
@@ -582,7 +582,7 @@ def row_dot(code, row, x, xsum):
   return acc
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def row_dequant(code, row, out):
   """out: f32[D] = the row of kind `code` (u8[row bytes]) as f32."""
   if code == Q4_0:
@@ -610,7 +610,7 @@ def row_dequant(code, row, out):
       out[j] = f16_to_f32(_u16_at(row, j)) if code == F16 else bf16_to_f32(_u16_at(row, j))
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def row_dot_int8(code, row, xq, dx, xsum):
   """f32: row . x_hat for a row of a kind of INT8_KINDS (`code`); x_hat = dx * xq per 32 values
   (`qdot.quantize_x`: xq i8[D], dx and xsum f32[D // 32])."""

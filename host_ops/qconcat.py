@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from host_ops import _common
+from host_ops import common
 from host_ops import qmatmul
-from host_ops._common import HostOpError
+from host_ops.common import HostOpError
 
 
 class RowConcat:
@@ -50,7 +50,7 @@ class RowConcat:
 
   def matmul(self, x, out: np.ndarray | None = None, dot: str = qmatmul.DOT_F32) -> np.ndarray:
     """x @ W.T: x f32[b, D] -> f32[b, n] (f32[D] -> f32[n]); each part writes its columns."""
-    x2, squeeze = _common.prepare_x(x, self.shape[1])
+    x2, squeeze = common.prepare_x(x, self.shape[1])
     if out is None:
       out = np.empty((x2.shape[0], self.shape[0]), np.float32)
     for p, lo, hi in zip(self.parts, self._bounds[:-1], self._bounds[1:]):

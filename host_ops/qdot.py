@@ -42,7 +42,7 @@ from numba.core import cgutils
 from numba.core import types
 from numba.extending import intrinsic
 
-from host_ops import _common
+from host_ops import common
 from host_ops.llvm_ir import (F32 as _F32, I8 as _I8, I16 as _I16, I32 as _I32,
                               half_to_float as _half_to_float, load as _load, vec as _vec,
                               x86 as _x86)
@@ -53,7 +53,7 @@ Q8_0 = "q8_0"
 
 
 def _host_has_avx2() -> bool:
-  if not _common.IS_X86:
+  if not common.IS_X86:
     return False
   try:
     features = llvmlite.binding.get_host_cpu_features()
@@ -66,7 +66,7 @@ def _host_has_avx2() -> bool:
 # only ever emitted where the CPU has it.
 AVAILABLE = _host_has_avx2()
 
-def _row_dot_codegen(prefetch=False, locality=_common.LOCALITY_L1):
+def _row_dot_codegen(prefetch=False, locality=common.LOCALITY_L1):
   """LLVM IR of a Q8_0 row's sum_b d[b] dx[b] <w_b, xq_b> (see the module docstring). With
   `prefetch`, a fifth argument is the next row's codes, one cache line of which is prefetched
   (at `locality`) per 64 code bytes read here: spread over the row, so the prefetches never fill
@@ -91,7 +91,7 @@ def _row_dot_codegen(prefetch=False, locality=_common.LOCALITY_L1):
         first = builder.icmp_unsigned("==", builder.and_(b, ir.Constant(b.type, 1)),
                                       ir.Constant(b.type, 0))
         with builder.if_then(first):
-          _common.emit_prefetch(builder, builder.gep(
+          common.emit_prefetch(builder, builder.gep(
               np_, [builder.mul(b, ir.Constant(b.type, 32))]), locality)
       x = _load(builder, xp, builder.mul(b, ir.Constant(b.type, 32)), _vec(_I8, 32))
       # s8 x s8: vpmaddubsw wants one unsigned side, so |w| and x with w's sign.
@@ -100,23 +100,23 @@ def _row_dot_codegen(prefetch=False, locality=_common.LOCALITY_L1):
       isum = builder.call(maddwd, [builder.call(maddubs, [w, x]), ones])
       # d holds f16 bits (as the file): widened here, one vcvtph2ps per block with F16C.
       d_b = _half_to_float(builder, builder.load(builder.gep(dp, [b])))
-      scale = _common.fmul(builder, d_b, builder.load(builder.gep(sp, [b])))
+      scale = common.fmul(builder, d_b, builder.load(builder.gep(sp, [b])))
       splat = builder.shuffle_vector(
           builder.insert_element(ir.Constant(_vec(_F32, 8), ir.Undefined), scale,
                                  ir.Constant(_I32, 0)),
           ir.Constant(_vec(_F32, 8), ir.Undefined), lanes)
       acc = builder.load(acc_p)
-      builder.store(_common.fma(builder, builder.sitofp(isum, _vec(_F32, 8)), splat, acc), acc_p)
+      builder.store(common.fma(builder, builder.sitofp(isum, _vec(_F32, 8)), splat, acc), acc_p)
     acc = builder.load(acc_p)
     parts = [builder.extract_element(acc, ir.Constant(_I32, k)) for k in range(8)]
     while len(parts) > 1:  # Pairwise: a fixed order, so results are reproducible.
-      parts = [_common.fadd(builder, parts[k], parts[k + 1]) for k in range(0, len(parts), 2)]
+      parts = [common.fadd(builder, parts[k], parts[k + 1]) for k in range(0, len(parts), 2)]
     return parts[0]
 
   return codegen
 
 
-def _q4_1_pairs_codegen(prefetch=False, locality=_common.LOCALITY_L1):
+def _q4_1_pairs_codegen(prefetch=False, locality=common.LOCALITY_L1):
   """LLVM IR of a Q4_1 row's dot with x in the pair layout (`pair_blocks`), offsets included:
   sum_b d[b] dx[b] <w_b, xq_b> + sum_b m[b] xsum[b] (see the module docstring).
 
@@ -158,25 +158,25 @@ def _q4_1_pairs_codegen(prefetch=False, locality=_common.LOCALITY_L1):
       return builder.sitofp(builder.call(maddwd, [pairs, ones]), v8)
 
     def accumulate(acc_p, f, scale):
-      builder.store(_common.fma(builder, f, scale, builder.load(acc_p)), acc_p)
+      builder.store(common.fma(builder, f, scale, builder.load(acc_p)), acc_p)
 
     def scalars(b):  # (d[b] dx[b], m[b] xsum[b]) of one block.
       d_b = _half_to_float(builder, builder.load(builder.gep(dp, [b])))
       m_b = _half_to_float(builder, builder.load(builder.gep(mp, [b])))
-      return (_common.fmul(builder, d_b, builder.load(builder.gep(dxp, [b]))),
-              _common.fmul(builder, m_b, builder.load(builder.gep(sump, [b]))))
+      return (common.fmul(builder, d_b, builder.load(builder.gep(dxp, [b]))),
+              common.fmul(builder, m_b, builder.load(builder.gep(sump, [b]))))
 
     groups = builder.lshr(nb, c(3))
     with cgutils.for_range(builder, groups) as loop:
       base = builder.shl(loop.index, c(3))
       d8 = _half_to_float(builder, _load(builder, dp, base, _vec(_I16, 8)))
-      scale8 = _common.fmul(builder, d8, _load(builder, dxp, base, v8))
+      scale8 = common.fmul(builder, d8, _load(builder, dxp, base, v8))
       m8 = _half_to_float(builder, _load(builder, mp, base, _vec(_I16, 8)))
       accumulate(acc_m, m8, _load(builder, sump, base, v8))
       for k in range(4):
         blk = builder.add(base, c(2 * k))
         if prefetch and k % 2 == 0:  # One line of the next row per 64 code bytes read.
-          _common.emit_prefetch(builder, builder.gep(
+          common.emit_prefetch(builder, builder.gep(
               builder.bitcast(arrays[6].data, cgutils.voidptr_t), [builder.mul(blk, c(16))]),
               locality)
         lanes = ir.Constant(_vec(_I32, 8), [2 * k] * 4 + [2 * k + 1] * 4)
@@ -191,7 +191,7 @@ def _q4_1_pairs_codegen(prefetch=False, locality=_common.LOCALITY_L1):
           ir.Constant(v8, ir.Undefined), s0, ir.Constant(_I32, 0)), s1, ir.Constant(_I32, 1))
       accumulate(accs[0], pair_sums(blk), builder.shuffle_vector(
           two, ir.Constant(v8, ir.Undefined), ir.Constant(_vec(_I32, 8), [0] * 4 + [1] * 4)))
-      builder.store(_common.fadd(builder, builder.load(tail), _common.fadd(builder, o0, o1)), tail)
+      builder.store(common.fadd(builder, builder.load(tail), common.fadd(builder, o0, o1)), tail)
     with cgutils.for_range_slice(builder, builder.shl(builder.lshr(nb, c(1)), c(1)), nb, c(1),
                                  inc=True) as (b, _):  # The last block of an odd count.
       raw = _load(builder, wp, builder.mul(b, c(16)), _vec(_I8, 16))
@@ -204,11 +204,11 @@ def _q4_1_pairs_codegen(prefetch=False, locality=_common.LOCALITY_L1):
       while len(parts) > 1:
         parts = [builder.add(parts[k], parts[k + 1]) for k in range(0, len(parts), 2)]
       s0, o0 = scalars(b)
-      builder.store(_common.fadd(builder, builder.load(tail), _common.fadd(builder, 
-          _common.fmul(builder, builder.sitofp(parts[0], _F32), s0), o0)), tail)
-    acc = _common.fadd(builder, _common.fadd(builder, builder.load(accs[0]), builder.load(accs[1])),
+      builder.store(common.fadd(builder, builder.load(tail), common.fadd(builder, 
+          common.fmul(builder, builder.sitofp(parts[0], _F32), s0), o0)), tail)
+    acc = common.fadd(builder, common.fadd(builder, builder.load(accs[0]), builder.load(accs[1])),
                        builder.load(acc_m))
-    return _common.fadd(builder, _common.hsum(builder, acc), builder.load(tail))
+    return common.fadd(builder, common.hsum(builder, acc), builder.load(tail))
 
   return codegen
 
@@ -228,16 +228,16 @@ def row_dot_q4_1_pairs_next(typingctx, qs, d, m, xqp, dx, xsum, next_qs):
 
 @intrinsic
 def row_dot_q4_1_pairs_far(typingctx, qs, d, m, xqp, dx, xsum, next_qs):
-  """`row_dot_q4_1_pairs_next` prefetching into L2 (`_common.far_rows`)."""
+  """`row_dot_q4_1_pairs_next` prefetching into L2 (`common.far_rows`)."""
   return (types.float32(qs, d, m, xqp, dx, xsum, next_qs),
-          _q4_1_pairs_codegen(prefetch=True, locality=_common.LOCALITY_L2))
+          _q4_1_pairs_codegen(prefetch=True, locality=common.LOCALITY_L2))
 
 
 @intrinsic
 def row_dot_q8_0_far(typingctx, q, d, xq, dx, next_q):
-  """`row_dot_q8_0_next` prefetching into L2 (`_common.far_rows`)."""
+  """`row_dot_q8_0_next` prefetching into L2 (`common.far_rows`)."""
   return types.float32(q, d, xq, dx, next_q), _row_dot_codegen(prefetch=True,
-                                                                locality=_common.LOCALITY_L2)
+                                                                locality=common.LOCALITY_L2)
 
 
 @intrinsic
@@ -253,7 +253,7 @@ def row_dot_q8_0(typingctx, q, d, xq, dx):
   return types.float32(q, d, xq, dx), _row_dot_codegen()
 
 
-@numba.njit(**_common.JIT)
+@numba.njit(**common.JIT)
 def quantize_x(x):
   """x: f32[b, D] -> (xq: i8[b, D], dx: f32[b, D/32], xsum: f32[b, D/32]).
 
@@ -282,7 +282,7 @@ def quantize_x(x):
   return xq, dx, xsum
 
 
-@numba.njit(**_common.JIT)
+@numba.njit(**common.JIT)
 def pair_blocks(xq):
   """xq: i8[b, D] (`quantize_x`) -> i8[b, D] in the layout `row_dot_q4_1_pairs` reads: per
   pair of blocks (p, p + 1), [xq_p[0:16], xq_p+1[0:16], xq_p[16:32], xq_p+1[16:32]], the order
@@ -309,7 +309,7 @@ SPREAD_MIN_BYTES = 1024
 SHORT_AHEAD = 4
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def gemv_q4_1(qs, d, m, x, out):
   """out[r, i] = W[i] . x[r] with x quantized per block. qs: u8[n, D/2]; d, m: u16[n, D/32]
   (f16 bits); x: f32[b, D]; out: f32[b, n]."""
@@ -317,53 +317,53 @@ def gemv_q4_1(qs, d, m, x, out):
   xqp = pair_blocks(xq)
   n = qs.shape[0]
   spread = qs.shape[1] >= SPREAD_MIN_BYTES
-  far = _common.far_rows(x.shape[1], qs.shape[1])
+  far = common.far_rows(x.shape[1], qs.shape[1])
   for i in numba.prange(n):
-    if far:  # Long rows: the next row prefetched into L2 (`_common.FAR_BYTES`).
+    if far:  # Long rows: the next row prefetched into L2 (`common.FAR_BYTES`).
       if i + 2 < n:
-        _common.prefetch_row_l2(d[i + 2])
-        _common.prefetch_row_l2(m[i + 2])
+        common.prefetch_row_l2(d[i + 2])
+        common.prefetch_row_l2(m[i + 2])
       nxt = min(i + 1, n - 1)
       for r in range(x.shape[0]):
         out[r, i] = row_dot_q4_1_pairs_far(qs[i], d[i], m[i], xqp[r], dx[r], xsum[r], qs[nxt])
     elif spread:
       if i + 2 < n:
-        _common.prefetch_row(d[i + 2])
-        _common.prefetch_row(m[i + 2])
+        common.prefetch_row(d[i + 2])
+        common.prefetch_row(m[i + 2])
       nxt = min(i + 1, n - 1)
       for r in range(x.shape[0]):
         out[r, i] = row_dot_q4_1_pairs_next(qs[i], d[i], m[i], xqp[r], dx[r], xsum[r], qs[nxt])
     else:
       if i + SHORT_AHEAD < n:
-        _common.prefetch_row(qs[i + SHORT_AHEAD])
+        common.prefetch_row(qs[i + SHORT_AHEAD])
       for r in range(x.shape[0]):
         out[r, i] = row_dot_q4_1_pairs(qs[i], d[i], m[i], xqp[r], dx[r], xsum[r])
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def gemv_q8_0(q, d, x, out):
   """out[r, i] = W[i] . x[r] with x quantized per block. q: i8[n, D]; d: u16[n, D/32] (f16
   bits); x: f32[b, D]; out: f32[b, n]."""
   xq, dx, _ = quantize_x(x)
   n = q.shape[0]
   spread = q.shape[1] >= SPREAD_MIN_BYTES
-  far = _common.far_rows(x.shape[1], q.shape[1])
+  far = common.far_rows(x.shape[1], q.shape[1])
   for i in numba.prange(n):
     if far:  # As gemv_q4_1.
       if i + 2 < n:
-        _common.prefetch_row_l2(d[i + 2])
+        common.prefetch_row_l2(d[i + 2])
       nxt = min(i + 1, n - 1)
       for r in range(x.shape[0]):
         out[r, i] = row_dot_q8_0_far(q[i], d[i], xq[r], dx[r], q[nxt])
     elif spread:
       if i + 2 < n:
-        _common.prefetch_row(d[i + 2])
+        common.prefetch_row(d[i + 2])
       nxt = min(i + 1, n - 1)
       for r in range(x.shape[0]):
         out[r, i] = row_dot_q8_0_next(q[i], d[i], xq[r], dx[r], q[nxt])
     else:
       if i + SHORT_AHEAD < n:
-        _common.prefetch_row(q[i + SHORT_AHEAD])
+        common.prefetch_row(q[i + SHORT_AHEAD])
       for r in range(x.shape[0]):
         out[r, i] = row_dot_q8_0(q[i], d[i], xq[r], dx[r])
 

@@ -47,11 +47,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from host_ops import _common
+from host_ops import common
 from host_ops import qblocks
 from host_ops import qdot
 from host_ops import qmatmul_kernels as kernels
-from host_ops._common import HostOpError
+from host_ops.common import HostOpError
 
 BLOCK = 32  # Values per block of Q4_1 and Q8_0.
 Q4_1 = "q4_1"
@@ -182,7 +182,7 @@ class QMatrix:
     hold them. Reads the scales in place (numba; no f32 copy)."""
     if self.kind not in RAW_KINDS:
       return all(np.isfinite(a.view(np.float16)).all() for a in self.arrays[1:])
-    _common.ensure_host_threads()
+    common.ensure_host_threads()
     fields = np.asarray(F16_FIELDS[self.kind], np.int64)
     return bool(kernels.raw_finite_kernel(self.arrays[0], _GEOMETRY[self.kind][1], fields,
                                    0x7F80 if self.kind == BF16 else 0x7C00))
@@ -199,7 +199,7 @@ class QMatrix:
       raise HostOpError(f"row id out of range [0, {self.shape[0]}): {ids.min()}..{ids.max()}")
     if self.kind in RAW_KINDS:
       out = np.empty((ids.size, self.shape[1]), np.float32)
-      _common.ensure_host_threads()
+      common.ensure_host_threads()
       kernels.rows_raw_kernel(qblocks.KIND_CODES[self.kind], self.arrays[0], ids, out)
       return out
     return np.stack([self.dequantize(int(i), int(i) + 1)[0] for i in ids]) if ids.size else \
@@ -211,7 +211,7 @@ class QMatrix:
     hi = self.shape[0] if hi is None else hi
     if out is None:
       out = np.empty((hi - lo, self.shape[1]), np.float32)
-    _common.ensure_host_threads()
+    common.ensure_host_threads()
     if self.kind in RAW_KINDS:
       if not 0 <= lo <= hi <= self.shape[0]:
         raise HostOpError(f"rows [{lo}, {hi}) out of range [0, {self.shape[0]}]")
@@ -238,11 +238,11 @@ class QMatrix:
     """
     if dot not in DOTS:
       raise HostOpError(f"dot must be one of {', '.join(DOTS)}, got {dot!r}")
-    x2, squeeze = _common.prepare_x(x, self.shape[1])
+    x2, squeeze = common.prepare_x(x, self.shape[1])
     b = x2.shape[0]
     if out is None:
       out = np.empty((b, self.shape[0]), np.float32)
-    _common.ensure_host_threads()
+    common.ensure_host_threads()
     int8 = dot == DOT_INT8 and qdot.AVAILABLE
     if self.kind in RAW_KINDS:
       code = qblocks.KIND_CODES[self.kind]

@@ -16,13 +16,13 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from host_ops import _common
+from host_ops import common
 from host_ops import qblocks
 from host_ops import qdot
 from host_ops.qblocks import f16_to_f32 as _f32
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def dot_q4_1(qs_row, d_row, m_row, xlo, xhi, xsum):
   """One Q4_1 row . x, x given as xlo/xhi (f32[D/2], the first/second 16 values of each block)
   and xsum (f32[D/32], block sums: the m term). One flat loop with the scale looked up per byte
@@ -37,7 +37,7 @@ def dot_q4_1(qs_row, d_row, m_row, xlo, xhi, xsum):
   return acc + bias
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def dot_q8_0(q_row, d_row, x):
   """One Q8_0 row . x (x: f32[D])."""
   acc = np.float32(0.0)
@@ -46,7 +46,7 @@ def dot_q8_0(q_row, d_row, x):
   return acc
 
 
-@numba.njit(**_common.JIT)
+@numba.njit(**common.JIT)
 def split_q4_1_x(x):
   """x: f32[b, D] -> (xlo, xhi: f32[b, D/2], xsum: f32[b, D/32]) for `dot_q4_1`."""
   b, dim = x.shape
@@ -67,7 +67,7 @@ def split_q4_1_x(x):
   return xlo, xhi, xsum
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def gemv_q4_1_kernel(qs, d, m, x, out):
   """out[r, i] = W[i] . x[r]. qs: u8[n, D/2]; d, m: u16[n, D/32] (f16 bits); x: f32[b, D];
   out: f32[b, n]."""
@@ -78,7 +78,7 @@ def gemv_q4_1_kernel(qs, d, m, x, out):
       out[r, i] = dot_q4_1(qs[i], d[i], m[i], xlo[r], xhi[r], xsum[r])
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def gemv_q8_0_kernel(q, d, x, out):
   """out[r, i] = W[i] . x[r]. q: i8[n, D]; d: u16[n, D/32] (f16 bits); x: f32[b, D];
   out: f32[b, n]."""
@@ -88,7 +88,7 @@ def gemv_q8_0_kernel(q, d, x, out):
       out[r, i] = dot_q8_0(q[i], d[i], x[r])
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _dequant_row_q4_1(qs_row, d_row, m_row, out):
   """out: f32[D] = one Q4_1 row."""
   for blk in range(d_row.shape[0]):
@@ -100,14 +100,14 @@ def _dequant_row_q4_1(qs_row, d_row, m_row, out):
       out[32 * blk + 16 + k] = scale * np.float32(c >> 4) + low
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _dequant_row_q8_0(q_row, d_row, out):
   """out: f32[D] = one Q8_0 row."""
   for j in range(q_row.shape[0]):
     out[j] = _f32(d_row[j >> 5]) * np.float32(q_row[j])
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _dot_f32(a, b):
   acc = np.float32(0.0)
   for j in range(a.shape[0]):
@@ -118,7 +118,7 @@ def _dot_f32(a, b):
 _TILE = 16  # Weight rows dequantized together by the many-row product.
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def tile_dots(w, rows, x, out, lo):
   """out[r, lo + k] = w[k] . x[r] for k < rows, every r: four rows of x per pass over a weight
   row, so each loaded weight feeds four FMAs."""
@@ -153,7 +153,7 @@ def tile_dots(w, rows, x, out, lo):
     r += 1
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def gemm_q4_1_kernel(qs, d, m, x, out):
   """out = x @ W.T for many rows of x: tiles of 16 weight rows are dequantized once into an f32
   buffer and dotted with every row of x (4 at a time). qs: u8[n, D/2]; d, m: u16[n, D/32]
@@ -168,7 +168,7 @@ def gemm_q4_1_kernel(qs, d, m, x, out):
     tile_dots(w, rows, x, out, lo)
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def gemm_q8_0_kernel(q, d, x, out):
   """`gemm_q4_1_kernel` for Q8_0 rows."""
   n = q.shape[0]
@@ -181,28 +181,28 @@ def gemm_q8_0_kernel(q, d, x, out):
     tile_dots(w, rows, x, out, lo)
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def dequant_q4_1_kernel(qs, d, m, lo, hi, out):
   """out[i - lo] = W[i] as f32, rows [lo, hi). out: f32[>= hi - lo, D]."""
   for i in numba.prange(lo, hi):
     _dequant_row_q4_1(qs[i], d[i], m[i], out[i - lo])
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def dequant_q8_0_kernel(q, d, lo, hi, out):
   """out[i - lo] = W[i] as f32, rows [lo, hi). out: f32[>= hi - lo, D]."""
   for i in numba.prange(lo, hi):
     _dequant_row_q8_0(q[i], d[i], out[i - lo])
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _prefetch_bytes(row, nbytes):
   """Prefetches the first nbytes (0: none) of a contiguous u8 row."""
   for e in range(0, min(row.shape[0], nbytes), 64):
-    _common.prefetch(row, e)
+    common.prefetch(row, e)
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def gemv_raw_kernel(code, raw, x, out, prefetch):
   """out[r, i] = W[i] . x[r] for a raw-kind matrix (`qblocks` kind code). raw: u8[n, row bytes];
   x: f32[b, D]; out: f32[b, n]; prefetch: bytes of its next row each thread prefetches."""
@@ -215,7 +215,7 @@ def gemv_raw_kernel(code, raw, x, out, prefetch):
       out[r, i] = qblocks.row_dot(code, raw[i], x[r], xsum[r])
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def gemv_raw_int8_kernel(code, raw, x, out, prefetch):
   """`gemv_raw_kernel` with x quantized per block of 32 (`qdot.quantize_x`) and integer block
   dots (`qblocks.row_dot_int8`; kinds of qblocks.INT8_KINDS, x86 AVX2)."""
@@ -228,7 +228,7 @@ def gemv_raw_int8_kernel(code, raw, x, out, prefetch):
       out[r, i] = qblocks.row_dot_int8(code, raw[i], xq[r], dx[r], xsum[r])
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def gemm_raw_kernel(code, raw, x, out):
   """`gemm_q4_1_kernel` for a raw-kind matrix: tiles of 16 rows dequantized once, dotted with
   every row of x. raw: u8[n, row bytes]; x: f32[b, D]; out: f32[b, n]."""
@@ -242,21 +242,21 @@ def gemm_raw_kernel(code, raw, x, out):
     tile_dots(w, rows, x, out, lo)
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def dequant_raw_kernel(code, raw, lo, hi, out):
   """out[i - lo] = W[i] as f32, rows [lo, hi). out: f32[>= hi - lo, D], C-contiguous."""
   for i in numba.prange(lo, hi):
     qblocks.row_dequant(code, raw[i], out[i - lo])
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def rows_raw_kernel(code, raw, ids, out):
   """out[k] = W[ids[k]] as f32. ids: i64[k] (in range); out: f32[k, D]."""
   for k in numba.prange(ids.shape[0]):
     qblocks.row_dequant(code, raw[ids[k]], out[k])
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def raw_finite_kernel(raw, block_bytes, fields, exp_mask):
   """False if any 16-bit float at byte offsets `fields` of any block of `raw` (u8[n, row
   bytes]) has all exponent bits set (inf or NaN; exp_mask 0x7C00 for f16, 0x7F80 for bf16)."""

@@ -49,9 +49,9 @@ from numba.core import cgutils
 from numba.core import types
 from numba.extending import intrinsic
 
-from host_ops import _common
+from host_ops import common
 from host_ops import act_quant
-from host_ops._common import HostOpError
+from host_ops.common import HostOpError
 from host_ops.llvm_ir import (F32 as _F32, I8 as _I8, I16 as _I16, I32 as _I32, I64 as _I64,
                               add as _add, const as _const, half_to_float as _half_to_float,
                               load as _load, splat as _splat, vec as _vec, x86 as _x86)
@@ -79,13 +79,13 @@ def packable(kind: str, shape: tuple[int, int]) -> bool:
 
 
 # ----------------------------------------------------------------------------- repacking
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _put(dst, at, src, lo, n):
   for e in range(n):
     dst[at + e] = src[lo + e]
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _k_scale_min(s, j):
   """(scale, min) 6-bit pair j of a Q4_K/Q5_K super-block's 12 scale bytes s (ggml's
   get_scale_min_k4)."""
@@ -94,7 +94,7 @@ def _k_scale_min(s, j):
   return (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def _pack_kernel(code, raw, out, ub):
   """raw: u8[n, units * FILE_BYTES] -> out: u8[n / G, units * ub] (module docstring); ub:
   UNIT_BYTES of the kind."""
@@ -168,10 +168,10 @@ def pack(kind: str, raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
   units = row_bytes // FILE_BYTES[kind]
   shape = (n // G, units * UNIT_BYTES[kind])
   if out is None:
-    out = _common.empty_aligned(shape, np.uint8)
+    out = common.empty_aligned(shape, np.uint8)
   elif out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
     raise HostOpError(f"pack: out must be a C-contiguous u8{list(shape)}")
-  _common.ensure_host_threads()
+  common.ensure_host_threads()
   _pack_kernel(KIND_CODES[kind], raw, out, UNIT_BYTES[kind])
   return out
 
@@ -241,13 +241,13 @@ def _prefetch_spread(bd, p, at, nbytes, ahead):
   of the current one, so the prefetches never fill the miss buffers at once (the groups of a
   matrix are contiguous; a prefetch past its end does not fault)."""
   for off in range(0, nbytes, 64):
-    _common.emit_prefetch(bd, bd.gep(p, [_add(bd, at, off + ahead)]), PREFETCH_LOCALITY)
+    common.emit_prefetch(bd, bd.gep(p, [_add(bd, at, off + ahead)]), PREFETCH_LOCALITY)
 
 
 # How many units ahead decode prefetches (a unit is 16 rows x 256 or 32 values): 1 read
 # 21.5-25.5 GB/s from DRAM on the 2-core Xeon VM, 2/4/8 read 17.2/15.9/19.4 (BUILD_NOTES).
 PREFETCH_UNITS = 1
-PREFETCH_LOCALITY = _common.LOCALITY_L1  # L2 (prefetcht1), 4 or 8 units ahead: no steady gain.
+PREFETCH_LOCALITY = common.LOCALITY_L1  # L2 (prefetcht1), 4 or 8 units ahead: no steady gain.
 # Bytes of the next unit each sub-block prefetches: an eighth of a unit in whole lines.
 _SLICE = {kind: -(-UNIT_BYTES[kind] // 8 // 64) * 64 for kind in K_KINDS}
 
@@ -353,11 +353,11 @@ def _k_codegen(kind, R, prefetch):
           acc = bd.load(acc_f[k][w])
           if kind == "q6_k":
             sumi = bd.sub(sumi, bd.shl(off, ir.Constant(_vec(_I32, 8), [5] * 8)))
-            acc = _common.fma(bd, bd.sitofp(sumi, _vec(_F32, 8)), _common.fmul(bd, d8, dk), acc)
+            acc = common.fma(bd, bd.sitofp(sumi, _vec(_F32, 8)), common.fmul(bd, d8, dk), acc)
           else:
-            acc = _common.fma(bd, bd.sitofp(sumi, _vec(_F32, 8)), _common.fmul(bd, d8, dk), acc)
-            acc = _common.fma(bd, bd.sitofp(off, _vec(_F32, 8)),
-                              bd.fneg(_common.fmul(bd, dmin8, dk)), acc)
+            acc = common.fma(bd, bd.sitofp(sumi, _vec(_F32, 8)), common.fmul(bd, d8, dk), acc)
+            acc = common.fma(bd, bd.sitofp(off, _vec(_F32, 8)),
+                              bd.fneg(common.fmul(bd, dmin8, dk)), acc)
           bd.store(acc, acc_f[k][w])
     _store_rows(bd, cx, acc_f, R, W)
     return context.get_dummy_value()
@@ -440,14 +440,14 @@ def _b32_codegen(kind, R, prefetch):
         if with_min:
           off8 = _half_to_float(bd, _load(bd, p, _add(bd, o, 32 + 16 * w), _vec(_I16, 8)))
         else:
-          off8 = _common.fmul(bd, d8, ir.Constant(_vec(_F32, 8), [-center] * 8))
+          off8 = common.fmul(bd, d8, ir.Constant(_vec(_F32, 8), [-center] * 8))
         for k in range(R):
           dx = _splat(bd, bd.load(bd.gep(cx.s1[k], [u])), 8)
           xs = _splat(bd, bd.load(bd.gep(cx.s2[k], [u])), 8)
           acc = bd.load(acc_f[k][w])
-          acc = _common.fma(bd, bd.sitofp(isum[k][w], _vec(_F32, 8)), _common.fmul(bd, d8, dx),
+          acc = common.fma(bd, bd.sitofp(isum[k][w], _vec(_F32, 8)), common.fmul(bd, d8, dx),
                             acc)
-          acc = _common.fma(bd, off8, xs, acc)
+          acc = common.fma(bd, off8, xs, acc)
           bd.store(acc, acc_f[k][w])
     _store_rows(bd, cx, acc_f, R, W)
     return context.get_dummy_value()
@@ -488,7 +488,7 @@ STREAM_MAX_ROWS = 8
 def _driver(k1, k2, k3, k4):
   """A parallel matmul over one kind's groups with its four R-row kernels."""
 
-  @numba.njit(parallel=True, **_common.JIT)
+  @numba.njit(parallel=True, **common.JIT)
   def run(packed, xa, out, col0):
     ng = packed.shape[0]
     b = out.shape[0]
@@ -525,7 +525,7 @@ _matmul_q5_k = _driver(_q5_k_1, _q5_k_2, _q5_k_3, _q5_k_4)
 _matmul_q6_k = _driver(_q6_k_1, _q6_k_2, _q6_k_3, _q6_k_4)
 
 
-@numba.njit(**_common.JIT)
+@numba.njit(**common.JIT)
 def matmul_kernel(code, packed, xa, out, col0):
   """out[:, col0 + G g + i] = row G g + i of the packed matrix (kind `code`) . x_hat, every group
   g. packed: u8[n / G, units * unit bytes]; xa: `act_quant.ACTIVATIONS`; out: f32[b,
@@ -559,11 +559,11 @@ def matmul(kind: str, packed: np.ndarray, x, out: np.ndarray | None = None) -> n
   if packed.ndim != 2 or packed.shape[1] % UNIT_BYTES[kind]:
     raise HostOpError(f"packed {kind} matrix of shape {packed.shape}: rows must be whole "
                       f"{UNIT_BYTES[kind]}-byte units")
-  x, squeeze = _common.prepare_x(x, packed.shape[1] // UNIT_BYTES[kind] * UNIT_VALUES[kind])
+  x, squeeze = common.prepare_x(x, packed.shape[1] // UNIT_BYTES[kind] * UNIT_VALUES[kind])
   n = packed.shape[0] * G
   if out is None:
     out = np.empty((x.shape[0], n), np.float32)
-  _common.ensure_host_threads()
+  common.ensure_host_threads()
   xa = act_quant.activations(x, kind not in K_KINDS, kind in K_KINDS)
   matmul_kernel(KIND_CODES[kind], packed, xa, out, 0)
   return out[0] if squeeze else out

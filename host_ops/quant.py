@@ -24,8 +24,8 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from host_ops import _common
-from host_ops._common import HostOpError
+from host_ops import common
+from host_ops.common import HostOpError
 
 Q8_BLOCK = 32  # Values per scale.
 _Q8_MAX = 127
@@ -100,7 +100,7 @@ _Q8_SHIFT = 5
 assert Q8_BLOCK == 1 << _Q8_SHIFT
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _dot_q8(q_row, s_row, x_row):
   """sum_d q_row[d] * s_row[d // 32] * x_row[d] in f32. q_row: i8[D]; s_row: f32[D // 32]."""
   acc = np.float32(0.0)
@@ -109,7 +109,7 @@ def _dot_q8(q_row, s_row, x_row):
   return acc
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _neuron_q8(gq, gs, uq, us, dq, ds, x_row, acc_row, code, block):
   """acc_row += act(gate . x, up . x) * down for one Q8 neuron.
 
@@ -121,7 +121,7 @@ def _neuron_q8(gq, gs, uq, us, dq, ds, x_row, acc_row, code, block):
     xd = x_row[d]
     g += np.float32(gq[d]) * xd * gs[d >> _Q8_SHIFT]
     u += np.float32(uq[d]) * xd * us[d >> _Q8_SHIFT]
-  a = _common.activation(g, u, code)
+  a = common.activation(g, u, code)
   if a != 0:
     for blk in range(ds.shape[0]):
       base = blk * block
@@ -130,20 +130,20 @@ def _neuron_q8(gq, gs, uq, us, dq, ds, x_row, acc_row, code, block):
         acc_row[base + j] += s * np.float32(dq[base + j])
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _prefetch_q8(gq, gs, uq, us, dq, ds, ids_row, j, hi, ahead):
   """Prefetches rows and scales of neuron ids_row[j + ahead] if it is in this thread's range."""
   if ahead > 0 and j + ahead < hi:
     p = ids_row[j + ahead]
-    _common.prefetch_head(gq[p])
-    _common.prefetch_head(uq[p])
-    _common.prefetch_head(dq[p])
-    _common.prefetch_head(gs[p])
-    _common.prefetch_head(us[p])
-    _common.prefetch_head(ds[p])
+    common.prefetch_head(gq[p])
+    common.prefetch_head(uq[p])
+    common.prefetch_head(dq[p])
+    common.prefetch_head(gs[p])
+    common.prefetch_head(us[p])
+    common.prefetch_head(ds[p])
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def _sparse_ffn_q8_kernel(gq, gs, uq, us, dq, ds, x, ids, counts, shared, code, n_threads,
                           ahead, block):
   """The sparse FFN over Q8 rows; same contract as sparse_ffn.sparse_ffn_f32_kernel.
@@ -197,12 +197,12 @@ def sparse_ffn_host_q8(gate: Q8Rows, up: Q8Rows, down: Q8Rows, x, ids, family: s
   for name, r in (("up", up), ("down", down)):
     if r.q.shape != (n, d):
       raise HostOpError(f"{name}.q has shape {r.q.shape}, expected ({n}, {d}) like gate.q")
-  code = _common.family_code(family)
-  x2, squeeze = _common.prepare_x(x, d)
-  ids2, counts, shared = _common.prepare_ids(ids, x2.shape[0], n)
-  n_threads = _common.ensure_host_threads()
+  code = common.family_code(family)
+  x2, squeeze = common.prepare_x(x, d)
+  ids2, counts, shared = common.prepare_ids(ids, x2.shape[0], n)
+  n_threads = common.ensure_host_threads()
   y = _sparse_ffn_q8_kernel(gate.q, gate.scales, up.q, up.scales, down.q, down.scales, x2, ids2,
-                            counts, shared, code, n_threads, _common.PREFETCH_AHEAD,
+                            counts, shared, code, n_threads, common.PREFETCH_AHEAD,
                             np.int64(Q8_BLOCK))
   return y[0] if squeeze else y
 
@@ -215,10 +215,10 @@ def sparse_ffn_host_q8_reference(gate: Q8Rows, up: Q8Rows, down: Q8Rows, x, ids,
   def rows_of(act_ids):
     return [dequantize_q8(m.q[act_ids], m.scales[act_ids]).astype(np.float64) for m in mats]
 
-  return _common.sparse_ffn_reference(rows_of, x, ids, family)
+  return common.sparse_ffn_reference(rows_of, x, ids, family)
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def _gemv_q8_kernel(q, scales, x):
   """out[r, i] = dequant(q[i]) . x[r].
 
@@ -240,8 +240,8 @@ def gemv_q8(q, scales, x) -> np.ndarray:
   E.g. an LM head stored as [vocab, hidden] rows, or a projection stored as [out, in].
   """
   rows = check_q8("gemv_q8", q, scales)
-  x2, squeeze = _common.prepare_x(x, rows.q.shape[1])
-  _common.ensure_host_threads()
+  x2, squeeze = common.prepare_x(x, rows.q.shape[1])
+  common.ensure_host_threads()
   y = _gemv_q8_kernel(rows.q, rows.scales, x2)
   return y[0] if squeeze else y
 

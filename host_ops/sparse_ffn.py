@@ -35,16 +35,16 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from host_ops import _common
+from host_ops import common
 from host_ops import quant
-from host_ops._common import HostOpError, get_host_threads, set_host_threads  # noqa: F401 (API)
+from host_ops.common import HostOpError, get_host_threads, set_host_threads  # noqa: F401 (API)
 
 WEIGHT_F32 = "f32"
 WEIGHT_Q8 = "q8"
 WEIGHT_FORMATS = (WEIGHT_F32, WEIGHT_Q8)
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _neuron_f32(g_row, u_row, d_row, x_row, acc_row, code):
   """acc_row += act(g_row . x_row, u_row . x_row) * d_row. All f32[D]; acc_row is written."""
   g = np.float32(0.0)
@@ -53,23 +53,23 @@ def _neuron_f32(g_row, u_row, d_row, x_row, acc_row, code):
     xd = x_row[d]
     g += g_row[d] * xd
     u += u_row[d] * xd
-  a = _common.activation(g, u, code)
+  a = common.activation(g, u, code)
   if a != 0:
     for d in range(acc_row.shape[0]):
       acc_row[d] += a * d_row[d]
 
 
-@numba.njit(inline="always", **_common.JIT)
+@numba.njit(inline="always", **common.JIT)
 def _prefetch_f32(gate, up, down, ids_row, j, hi, ahead):
   """Prefetches the rows of neuron ids_row[j + ahead] when it is still in this thread's range."""
   if ahead > 0 and j + ahead < hi:
     p = ids_row[j + ahead]
-    _common.prefetch_head(gate[p])
-    _common.prefetch_head(up[p])
-    _common.prefetch_head(down[p])
+    common.prefetch_head(gate[p])
+    common.prefetch_head(up[p])
+    common.prefetch_head(down[p])
 
 
-@numba.njit(parallel=True, **_common.JIT)
+@numba.njit(parallel=True, **common.JIT)
 def sparse_ffn_f32_kernel(gate, up, down, x, ids, counts, shared, code, n_threads, ahead):
   """The sparse FFN over f32 rows.
 
@@ -136,19 +136,19 @@ def sparse_ffn_host(gate_rows, up_rows, down_rows, x, ids, family: str) -> np.nd
   n, d = gate_rows.shape
   up_rows = _check_rows("up_rows", up_rows, n, d)
   down_rows = _check_rows("down_rows", down_rows, n, d)
-  code = _common.family_code(family)
-  x2, squeeze = _common.prepare_x(x, d)
-  ids2, counts, shared = _common.prepare_ids(ids, x2.shape[0], n)
-  n_threads = _common.ensure_host_threads()
+  code = common.family_code(family)
+  x2, squeeze = common.prepare_x(x, d)
+  ids2, counts, shared = common.prepare_ids(ids, x2.shape[0], n)
+  n_threads = common.ensure_host_threads()
   y = sparse_ffn_f32_kernel(gate_rows, up_rows, down_rows, x2, ids2, counts, shared, code,
-                             n_threads, _common.PREFETCH_AHEAD)
+                             n_threads, common.PREFETCH_AHEAD)
   return y[0] if squeeze else y
 
 
 def sparse_ffn_host_reference(gate_rows, up_rows, down_rows, x, ids, family: str) -> np.ndarray:
   """NumPy reference of `sparse_ffn_host` (same arguments; float64 inside, f32 result)."""
   rows = [np.asarray(r) for r in (gate_rows, up_rows, down_rows)]
-  return _common.sparse_ffn_reference(
+  return common.sparse_ffn_reference(
       lambda act_ids: [r[act_ids].astype(np.float64) for r in rows], x, ids, family)
 
 
@@ -168,7 +168,7 @@ class HostFFNWeights:
 
     weight_format "q8" quantizes them here (`quant.quantize_q8`; D must be a multiple of 32).
     """
-    _common.family_code(family)
+    common.family_code(family)
     if weight_format not in WEIGHT_FORMATS:
       raise HostOpError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
     rows = [np.ascontiguousarray(r, dtype=np.float32) for r in (gate_rows, up_rows, down_rows)]
@@ -183,7 +183,7 @@ class HostFFNWeights:
   def from_q8(cls, gate: quant.Q8Rows, up: quant.Q8Rows, down: quant.Q8Rows,
               family: str) -> "HostFFNWeights":
     """Wraps already-quantized rows (each `(q: i8[n, D], scales: f32[n, D // 32])`)."""
-    _common.family_code(family)
+    common.family_code(family)
     rows = [quant.check_q8(name, *r) for name, r in (("gate", gate), ("up", up), ("down", down))]
     n, d = rows[0].q.shape
     for name, r in zip(("up", "down"), rows[1:]):

@@ -161,7 +161,7 @@ def _phase_decoder(model):
   """The host decoder whose layer loop `--profile_layers` times; ConfigError when there is none
   (the model does not run on host weights)."""
   import platform
-  from host_ops import _common as host_common
+  from host_ops import common as host_common
   if not host_common.IS_X86:
     raise ConfigError("--profile_layers reads the x86 cycle counter (rdtsc); this machine is "
                       f"{platform.machine()}: drop the flag.")
@@ -201,7 +201,7 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
   if n_gen:
     before_rep = None
     if dec_phases is not None:
-      from host_ops import _common as host_common
+      from host_ops import common as host_common
       from host_ops import decoder as host_decoder
       shape = (dec_phases.n_layers, len(host_decoder.PHASES))
       counts = {m: np.zeros(shape, np.int64)

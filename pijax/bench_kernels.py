@@ -30,11 +30,11 @@ def kernel_rate(kind: str, rows: int, threads: int, cold_bytes: float, seconds: 
   """{"kind", "rows", "g_weights_s", "gb_s"} of `qpack.matmul` on `kind` blocks: mean over
   `seconds` of calls (b = 1 cycles through copies filling cold_bytes, so weights come from
   DRAM; else one copy). gb_s: file bytes of the matrix per second."""
-  from host_ops import _common
+  from host_ops import common
   from host_ops import qblocks
   from host_ops import qpack
-  _common.set_host_threads(threads)
-  _common.ensure_host_threads()
+  common.set_host_threads(threads)
+  common.ensure_host_threads()
   rng = np.random.default_rng(seed)
   n, d = SHAPE
   per, nbytes = qblocks.GEOMETRY[kind]
@@ -93,8 +93,8 @@ def main(argv: list[str]) -> None:
                       f"{', '.join(qpack.KINDS)}.")
   if f.threads < 1 or not 0 < f.seconds < 3600:
     raise ConfigError("-t must be >= 1 and --seconds in (0, 3600).")
-  from host_ops import _common
-  ram = _common.physical_memory_bytes() or float("inf")
+  from host_ops import common
+  ram = common.physical_memory_bytes() or float("inf")
   if not 0 <= f.cold_mb * 1e6 <= ram / 2:
     raise ConfigError(f"--cold_mb={f.cold_mb} must be in [0, {ram / 2e6:.0f}] (half this "
                       "machine's memory; 0: every row from cache).")

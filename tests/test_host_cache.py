@@ -67,8 +67,8 @@ print(float(y[0, 0]), sum(layers.activation_kernel.stats.cache_hits.values()))
 
 
 def test_cached_kernel_reruns_an_edit_in_another_file(tmp_path):
-  """`layers.activation_kernel` inlines `_common.activation`. In a copy of host_ops, edit
-  _common.py only: the next process must run the edited activation, not the cached kernel
+  """`layers.activation_kernel` inlines `common.activation`. In a copy of host_ops, edit
+  common.py only: the next process must run the edited activation, not the cached kernel
   (numba alone keys the kernel on layers.py and loaded the stale one)."""
   pkg = tmp_path / "host_ops"
   shutil.copytree(HOST_OPS, pkg, ignore=shutil.ignore_patterns("__pycache__"))
@@ -84,7 +84,7 @@ def test_cached_kernel_reruns_an_edit_in_another_file(tmp_path):
 
   assert run() == (4.0, 0)  # ReGLU: relu(2) * 2, compiled.
   assert run() == (4.0, 1)  # Loaded from the copy's cache.
-  common = pkg / "_common.py"
+  common = pkg / "common.py"
   text = common.read_text()
   old = "  if code == 1:\n    if g > 0:\n      return np.float32(g * u)\n"
   assert old in text

@@ -15,12 +15,12 @@ from numba.core import cgutils
 from numba.core import types
 from numba.extending import intrinsic
 
-from host_ops import _common
+from host_ops import common
 from host_ops import llvm_ir
 from host_ops import qblocks
 from host_ops import qdot
 from host_ops import qmatmul
-from host_ops._common import HostOpError
+from host_ops.common import HostOpError
 
 K_KINDS = ("q4_k", "q5_k", "q6_k")
 KINDS = qmatmul.RAW_KINDS
@@ -32,7 +32,7 @@ _F16_AT = {"q4_0": (0,), "q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (
 
 @pytest.fixture(autouse=True)
 def _two_threads():
-  _common.set_host_threads(2)
+  common.set_host_threads(2)
 
 
 def _dims(kind):

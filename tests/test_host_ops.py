@@ -6,10 +6,10 @@ import numba
 import numpy as np
 import pytest
 
-from host_ops import _common
+from host_ops import common
 from host_ops import quant
 from host_ops import sparse_ffn as sf
-from host_ops._common import HostOpError
+from host_ops.common import HostOpError
 
 FAMILIES = ("swiglu", "reglu", "drelu")
 N, D = 200, 96  # Host neurons, hidden size (a multiple of 32 for Q8).
@@ -218,16 +218,16 @@ def test_bad_inputs_raise(layer):
 
 
 def test_prefetch_and_thread_count_do_not_change_math(layer, monkeypatch):
-  from host_ops import _common
+  from host_ops import common
   rng = np.random.default_rng(8)
   x = _x(rng, 4)
   ids = rng.permutation(N)[:150].astype(np.int32)
   w8 = sf.HostFFNWeights(*layer, "swiglu", weight_format="q8")
   ref32, ref8 = sf.sparse_ffn_host(*layer, x, ids, "swiglu"), w8(x, ids)
-  monkeypatch.setattr(_common, "PREFETCH_AHEAD", 0)  # Prefetch off: bitwise the same.
+  monkeypatch.setattr(common, "PREFETCH_AHEAD", 0)  # Prefetch off: bitwise the same.
   np.testing.assert_array_equal(sf.sparse_ffn_host(*layer, x, ids, "swiglu"), ref32)
   np.testing.assert_array_equal(w8(x, ids), ref8)
-  monkeypatch.setattr(_common, "PREFETCH_AHEAD", 3)
+  monkeypatch.setattr(common, "PREFETCH_AHEAD", 3)
   np.testing.assert_array_equal(w8(x, ids), ref8)
   sf.set_host_threads(1)  # Another split: same result to rounding.
   try:
@@ -281,14 +281,14 @@ def test_lowbit_predict_and_compute_matches_reference(family, quantile):
 
 
 def test_dot_f32_matches_numpy_in_one_order():
-  """`_common.dot_f32` (the attention scores' dot) against float64 NumPy on random rows of every
+  """`common.dot_f32` (the attention scores' dot) against float64 NumPy on random rows of every
   length class (empty, under 8, under 32, groups of 32 plus a tail), contiguous and strided;
   the vector path gives the strided loop's neighbour within f32 rounding."""
-  from host_ops import _common
+  from host_ops import common
 
   @numba.njit
   def dot(a, b):
-    return _common.dot_f32(a, b)
+    return common.dot_f32(a, b)
 
   rng = np.random.default_rng(31)
   for n in (0, 1, 7, 8, 9, 31, 32, 33, 64, 96, 100, 577):
@@ -304,23 +304,23 @@ def test_dot_f32_matches_numpy_in_one_order():
     assert abs(dot(wide, b) - ref) <= 1e-6 * scale, n
 
 
-@numba.njit(**dict(_common.JIT, cache=False))  # The kernels' flags (fastmath).
+@numba.njit(**dict(common.JIT, cache=False))  # The kernels' flags (fastmath).
 def _activations_in_a_loop(g, u, code):
   """act over arrays in one loop (the shape LLVM vectorizes), as the FFN kernels call it."""
   out = np.empty_like(g)
   for j in range(g.shape[0]):
-    out[j] = _common.activation(g[j], u[j], code)
+    out[j] = common.activation(g[j], u[j], code)
   return out
 
 
-@numba.njit(**dict(_common.JIT, cache=False))
+@numba.njit(**dict(common.JIT, cache=False))
 def _activation_one(g, u, code):
-  return _common.activation(g, u, code)
+  return common.activation(g, u, code)
 
 
 @pytest.mark.parametrize("family", ["swiglu", "geglu"])
 def test_vectorized_activation_matches_float64_and_scalar_calls(family):
-  """silu / gelu_tanh through `_common.exp_f32` against NumPy's f64 on random and extreme
+  """silu / gelu_tanh through `common.exp_f32` against NumPy's f64 on random and extreme
   gates (clamped range ends, +-0, huge): within a few f32 ulps; and a loop that LLVM vectorizes
   gives the same bits as one call per neuron (odd length: vector body and scalar tail)."""
   rng = np.random.default_rng(11)
@@ -329,13 +329,13 @@ def test_vectorized_activation_matches_float64_and_scalar_calls(family):
                       extreme]).astype(np.float32)
   u = rng.standard_normal(g.shape).astype(np.float32)
   u[-len(extreme):] = 1.0  # g * u stays finite at g = +-1e38.
-  code = _common.family_code(family)
+  code = common.family_code(family)
   got = _activations_in_a_loop(g, u, code)
   gd, ud = g.astype(np.float64), u.astype(np.float64)
   eps = np.finfo(np.float32).eps
   with np.errstate(over="ignore"):
     if family == "swiglu":
-      ref = _common.activation_reference(gd, ud, family)
+      ref = common.activation_reference(gd, ud, family)
       tol = 4 * eps * np.abs(ref)
     else:  # g sigmoid(2z): 1 + tanh(z) cancels to 0 in f64 where the value is ~1e-18.
       z = np.sqrt(2 / np.pi) * (gd + 0.044715 * gd ** 3)
@@ -368,5 +368,5 @@ def test_exp_f32_within_its_ulp_bound_over_its_range():
 def _exp_loop(x):
   out = np.empty_like(x)
   for j in range(x.shape[0]):
-    out[j] = _common.exp_f32(x[j])
+    out[j] = common.exp_f32(x[j])
   return out

@@ -5,17 +5,17 @@ every batch size the gemv path takes, and the f32 product they approximate."""
 import numpy as np
 import pytest
 
-from host_ops import _common
+from host_ops import common
 from host_ops import qdot
 from host_ops import qmatmul
-from host_ops._common import HostOpError
+from host_ops.common import HostOpError
 
 needs_simd = pytest.mark.skipif(not qdot.AVAILABLE, reason="integer kernels need x86 AVX2")
 
 
 @pytest.fixture(autouse=True)
 def _two_threads():
-  _common.set_host_threads(2)
+  common.set_host_threads(2)
 
 
 def _random(rng, kind, n, dim, *, extreme=False):
@@ -62,7 +62,7 @@ def test_quantize_x_matches_reference(dim):
 # 2080: rows of >= qdot.SPREAD_MIN_BYTES code bytes in both formats (the next row prefetched
 # over the current one), an odd 65 blocks. Q4_1 takes blocks in pairs, scales in groups of 8:
 # 32 and 96 a lone last block, 224 three left-over pairs, 448 a group and three pairs. 6208:
-# past _common.FAR_BYTES in both formats (the next row prefetched into L2), a left-over pair.
+# past common.FAR_BYTES in both formats (the next row prefetched into L2), a left-over pair.
 @pytest.mark.parametrize("n,dim", [(1, 32), (37, 96), (7, 224), (5, 448), (300, 576), (65, 1536),
                                    (9, 2080), (5, 6208)])
 @pytest.mark.parametrize("b", [1, 3, qmatmul.GEMV_MAX_ROWS])
@@ -80,11 +80,11 @@ def test_gemv_matches_reference(kind, n, dim, b):
 
 def test_far_rows_prefetch_into_l2_past_the_measured_crossover():
   # (D, code bytes per row): 7B's Q4_1 up rows and Q8_0 rows of 4096 stay in L1, its Q4_1 down
-  # rows (11008) and Q8_0 rows of 5376 go to L2 (the measurements at _common.FAR_BYTES).
-  assert not _common.far_rows(4096, 2048) and not _common.far_rows(5376, 2688)
-  assert not _common.far_rows(4096, 4096) and not _common.far_rows(576, 576)
-  assert _common.far_rows(7168, 3584) and _common.far_rows(11008, 5504)
-  assert _common.far_rows(5376, 5376) and _common.far_rows(6208, 3104)
+  # rows (11008) and Q8_0 rows of 5376 go to L2 (the measurements at common.FAR_BYTES).
+  assert not common.far_rows(4096, 2048) and not common.far_rows(5376, 2688)
+  assert not common.far_rows(4096, 4096) and not common.far_rows(576, 576)
+  assert common.far_rows(7168, 3584) and common.far_rows(11008, 5504)
+  assert common.far_rows(5376, 5376) and common.far_rows(6208, 3104)
 
 
 @pytest.mark.parametrize("shape,dtype", [((3, 1000), np.uint8), ((2, 7, 5), np.uint16),
@@ -92,11 +92,11 @@ def test_far_rows_prefetch_into_l2_past_the_measured_crossover():
 def test_empty_aligned_starts_on_a_cache_line(shape, dtype):
   rng = np.random.default_rng(len(shape))
   for _ in range(4):  # Several allocations: NumPy's own start varies.
-    a = _common.empty_aligned(shape, dtype)
+    a = common.empty_aligned(shape, dtype)
     assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
     assert a.ctypes.data % 64 == 0 or a.size == 0
   parts = [rng.integers(0, 100, shape).astype(dtype) for _ in range(3)]
-  stacked = _common.stack_aligned(parts)
+  stacked = common.stack_aligned(parts)
   np.testing.assert_array_equal(stacked, np.stack(parts))
   assert stacked.dtype == dtype and (stacked.ctypes.data % 64 == 0 or stacked.size == 0)
 
@@ -143,8 +143,8 @@ def test_unavailable_falls_back_to_f32(monkeypatch):
 _SAME_BITS_SCRIPT = """
 import sys
 import numpy as np
-from host_ops import _common, qdot, qmatmul
-_common.set_host_threads(2)
+from host_ops import common, qdot, qmatmul
+common.set_host_threads(2)
 rng = np.random.default_rng(21)
 out = {}
 for n, dim in ((1536, 576), (40, 2048)):

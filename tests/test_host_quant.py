@@ -13,11 +13,11 @@ import gguf
 import numpy as np
 import pytest
 
-from host_ops import _common
+from host_ops import common
 from host_ops import decoder as decoder_lib
 from host_ops import qdot
 from host_ops import qmatmul
-from host_ops._common import HostOpError
+from host_ops.common import HostOpError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ def _random_matrix(rng, kind, n, dim):
 
 @pytest.fixture(autouse=True)
 def _two_threads():
-  _common.set_host_threads(2)
+  common.set_host_threads(2)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
@@ -413,7 +413,7 @@ def test_gated_ffn_contribution_cut_matches_reference(family, dot, down_kind):
     u = qdot.matmul_reference(up.kind, up.arrays, h).astype(np.float64)
   else:
     u = h.astype(np.float64) @ qmatmul.dequantize_reference(up).T
-  acts = np.sort(np.abs(_common.activation_reference(g.astype(np.float64), u, family)).ravel())
+  acts = np.sort(np.abs(common.activation_reference(g.astype(np.float64), u, family)).ravel())
   acts = acts[acts > 0]
   k = len(acts) // 2
   cut = float(acts[k - 1] + acts[k]) / 2
@@ -941,16 +941,16 @@ def test_gated_ffn_with_file_rows_matches_reference(family, cut, ccut, dot):
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("family,cut", [("drelu", 0.0), ("swiglu", 0.05)])
 def test_gated_ffn_rows_prefetched_into_l2_match_reference(kind, family, cut):
-  """Up rows of >= 1 KB of codes take the kernels that prefetch into L2 (`_common.far_gather`;
+  """Up rows of >= 1 KB of codes take the kernels that prefetch into L2 (`common.far_gather`;
   the file down pass always does): the same results as the float64 reference on random blocks,
   integer dots."""
-  from host_ops import _common
+  from host_ops import common
   from host_ops import gated_ffn
   rng = np.random.default_rng(23)
   dim, f = 2048, 96
   up = _random_matrix(rng, kind, f, dim)
   rows = gated_ffn.FileDownRows.from_down(_random_matrix(rng, "q4_1", dim, f))
-  assert _common.far_gather(up.arrays[0].shape[1])
+  assert common.far_gather(up.arrays[0].shape[1])
   h = rng.standard_normal((2, dim)).astype(np.float32)
   g = rng.standard_normal((2, f)).astype(np.float32)
   y, active, passed = gated_ffn.gated_ffn(g, h, up, rows, cut=cut, family=family, dot="int8")

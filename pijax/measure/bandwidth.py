@@ -12,7 +12,7 @@ import time
 import numba
 import numpy as np
 
-from host_ops import _common as host_common
+from host_ops import common as host_common
 
 _LINE_INT64 = 8  # int64 values per 64-byte cache line.
 
@@ -112,12 +112,12 @@ GATHER_ROW_BYTES = 2560
 GATHER_FRACTION = 0.5
 
 
-# Not cached on disk: it inlines host_ops._common, and numba would key a cache on this file only.
+# Not cached on disk: it inlines host_ops.common, and numba would key a cache on this file only.
 @numba.njit(parallel=True, nogil=True, error_model="numpy")
 def _read_rows(rows, ids, n_threads):
   """Sum of every int64 of rows[ids] (rows: i64[n, row]; ids: i64[k], increasing), ids split in
   n_threads contiguous shares; each row's lines are prefetched while the row before is summed,
-  into L2 for rows of >= 1 KB as the gathered decode kernels do (`host_ops._common.far_gather`:
+  into L2 for rows of >= 1 KB as the gathered decode kernels do (`host_ops.common.far_gather`:
   into L1 this read 11-12 GB/s over half of 2560-byte rows on the AMD VM, into L2 21-25)."""
   k = ids.shape[0]
   far = host_common.far_gather(rows.shape[1] * 8)
