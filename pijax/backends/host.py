@@ -101,7 +101,7 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
     if where.name not in tensors:
       raise GGUFError(f"{path}: tensor {where.name!r} is missing; the file is incomplete.")
     t = tensors[where.name]
-    rows = loader._slice_rows(t, where, shape, path)
+    rows = loader.slice_rows(t, where, shape, path)
     kind = _tensor_kind(t)
     if kind is not None and (weights == WEIGHTS_GGUF or kind == qmatmul.Q8_0) and \
         shape[1] % qmatmul.block_size(kind) == 0:
