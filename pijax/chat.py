@@ -1,6 +1,6 @@
 """`python -m pijax.chat --model=default`: chat with a model in the terminal.
 
-The conversation, and its KV cache (`pijax.engine.Session`), are kept between turns, so a turn
+The conversation, and its KV cache (`pijax.session.Session`), are kept between turns, so a turn
 prefills only its new tokens. Replies stream as they are decoded. Ctrl-C stops the current reply
 (what was said so far stays in the conversation); Ctrl-D or /bye quits. Commands:
 
@@ -61,7 +61,7 @@ class ChatSession:
   """
 
   def __init__(self, model, settings: dict):
-    from pijax import engine
+    from pijax import session as session_lib
     from pijax.errors import ConfigError
     if not model.tokenizer.chat_template:
       raise ConfigError(f"{model.path}: the model has no chat template "
@@ -69,7 +69,7 @@ class ChatSession:
     self.model = model
     self.settings = dict(settings)
     self.messages: list[dict[str, str]] = []
-    self.session = engine.Session(model)
+    self.session = session_lib.Session(model)
     self.context_full = False  # The latest reply stopped because the context was full.
 
   def clear(self) -> None:

@@ -1,11 +1,18 @@
-"""What a generation returns: its text and ids, why it stopped, and its timings."""
+"""What a generation returns: its text and ids, why it stopped, and its timings; and the output
+shaping that makes its text from token ids (detokenizing, stop strings): `Model.stream` and
+`Model.generate` are `stream` and `generate` here, over the engine's `Model.generate_ids`."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Generator, Iterator, Sequence
 
 import numpy as np
+
+from pijax.errors import ConfigError
+
+if TYPE_CHECKING:
+  from pijax.session import Session
 
 STOP_EOS = "eos"  # An end-of-sequence / end-of-turn token was sampled.
 STOP_LENGTH = "length"  # max_new_tokens reached, or the context (max_seq_len) is full.
@@ -176,3 +183,115 @@ class Stream:
     close = getattr(self._pieces, "close", None)
     if close is not None:
       close()
+
+
+def stop_list(stop: str | Sequence[str] | None) -> list[str]:
+  """`stop` as `Model.stream` takes it (None, a string or a list of them) as a list.
+
+  Raises:
+    ConfigError: anything else.
+  """
+  stop = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+  if not all(isinstance(s, str) for s in stop):
+    raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}.")
+  return stop
+
+
+def text_stream(tokenizer, steps: Generator[TokenStep, None, None], stop: Sequence[str],
+                stats: GenerationStats) -> Stream:
+  """The text of a generation's `TokenStep`s (`Model.generate_ids`) as a `Stream`: pieces cut
+  at the first stop string (`TextOut`); its result's stop_reason is the steps' own, or
+  STOP_STRING. Closing the stream closes `steps`."""
+
+  def pieces() -> Iterator[str]:
+    out = TextOut(tokenizer, stop)
+    out_ids: list[int] = []
+    text: list[str] = []
+    reason = STOP_LENGTH
+    try:
+      for step in steps:
+        if step.stop_reason is not None:
+          reason = step.stop_reason
+          break
+        out_ids.append(step.token_id)
+        piece = out.push(step.token_id)
+        if piece:
+          text.append(piece)
+          yield piece
+        if out.stopped:
+          break
+      tail = out.finish()
+      if tail:
+        text.append(tail)
+        yield tail
+      if out.stopped:
+        reason = STOP_STRING
+    finally:
+      steps.close()
+    return GenerationResult(text="".join(text), token_ids=out_ids, stop_reason=reason,
+                            stats=stats)
+
+  return Stream(pieces())
+
+
+def stream(model, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+           repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int = 0,
+           chat: bool = False, parse_special: bool = False,
+           stop: str | Sequence[str] | None = None,
+           session: Session | None = None, presence_penalty: float = 0.0,
+           frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
+           response_format: Any = None) -> Stream:
+  """`Model.stream`: generates text, yielding pieces as they are decoded (never half a UTF-8
+  character).
+
+  Args:
+    model: the `pijax.engine.Model` (self, as a method).
+    prompt: text, a list of token ids (used as is), or with `chat` a list of messages
+      ([{"role": "system" | "user" | "assistant", "content": str}, ...]).
+    max_new_tokens: upper bound on generated tokens.
+    temperature, top_k, top_p, min_p, repeat_penalty: see `pijax.sampling`
+      (temperature 0 = greedy; top_k 0 = off; repeat_penalty 1 = off).
+    repeat_last_n: how many recent tokens the repetition penalties look at.
+    seed: PRNG seed (same seed, same output).
+    chat: wrap the prompt as one user message (or render the messages) with the model's chat
+      template.
+    parse_special: text that looks like a special token becomes that token (default: plain
+      text; chat templates always insert real special tokens).
+    stop: a stop string or a list of them: the text ends before the earliest one generated
+      (stop_reason "stop"); no part of it is ever yielded, even when it spans tokens.
+    session: a `Session` to reuse the cached prefix of (multi-turn chat) and keep the cache.
+    presence_penalty, frequency_penalty: OpenAI's additive penalties (0 = off).
+    logit_bias: OpenAI's {token id: bias in [-100, 100]}, added to the logits before sampling.
+    response_format: constrain the text (`pijax.grammar`): {"type": "json_object"}, {"type":
+      "json_schema", "json_schema": {"name": ..., "schema": {...}}}, or a compiled
+      `pijax.grammar.Grammar` (e.g. `lark_grammar`). The reply ends when the grammar is
+      complete; cut by max_new_tokens or a stop string, it may be incomplete.
+
+  Returns:
+    A `Stream`; iterate it for text pieces, then read `.result` (GenerationResult).
+
+  Raises:
+    ConfigError: invalid sampling parameters or logit_bias, or no chat template.
+    GrammarError: a response_format that does not compile.
+    ContextError: empty prompt or a prompt longer than max_seq_len.
+  """
+  stats = GenerationStats()
+  stop = stop_list(stop)
+  ids = model.encode_prompt(prompt, chat=chat, parse_special=parse_special)
+  steps = model.generate_ids(ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                             top_k=top_k, top_p=top_p, min_p=min_p,
+                             repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                             frequency_penalty=frequency_penalty, repeat_last_n=repeat_last_n,
+                             seed=seed, session=session, stats=stats, logit_bias=logit_bias,
+                             response_format=response_format)
+  return text_stream(model.tokenizer, steps, stop, stats)
+
+
+def generate(model, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
+  """`Model.generate`: like `stream` but returns the whole GenerationResult."""
+  out = stream(model, prompt, **kwargs)
+  for _ in out:
+    pass
+  assert out.result is not None
+  return out.result

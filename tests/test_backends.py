@@ -298,3 +298,31 @@ def test_host_states_are_not_shared_between_backends_and_bytes_are_refused(tmp_p
   assert a.backend.live_states == b.backend.live_states == 0
   with pytest.raises(ConfigError, match="bytes"):
     a.prompt_logits(b"hello")
+
+
+def test_the_engine_asks_the_backend_how_to_compile(tmp_path):
+  """The engine never branches on which backend it holds: the attention window and the compiled
+  step are the backend's answers (`attention_window`, `compile_step`), and a backend that
+  overrides them is obeyed (same tokens as the default)."""
+  path = tiny_models.write_random_quantized_gguf(tmp_path / "m.gguf", layer_type="Q8_0")
+  model = pijax.load(path, max_seq_len=64)
+  want = model.generate_ids([0, 5, 9], max_new_tokens=4)
+  want = [s.token_id for s in want]
+  asked = []
+
+  class Recording(xla_backend.XlaBackend):
+    def attention_window(self, needed, max_seq_len):
+      asked.append(("window", needed))
+      return max_seq_len  # One window for every length.
+
+    def compile_step(self, kind, kv_len, args, shared):
+      asked.append((kind, kv_len))
+      return super().compile_step(kind, kv_len, args, shared)
+
+  model.use_backend(Recording(model.config, model.params, model.dtype))
+  got = [s.token_id for s in model.generate_ids([0, 5, 9], max_new_tokens=4)]
+  assert got == want
+  n = len([t for t in got if t >= 0])  # Sampled tokens: the prefill's, then one per decode.
+  assert n > 1 and ("prefill", 64) in asked and ("decode", 64) in asked
+  assert sum(1 for a in asked if a[0] == "decode") == 1  # Compiled once for every step.
+  assert sum(1 for a in asked if a[0] == "window") == n  # The prefill chunk, each decode.

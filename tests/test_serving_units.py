@@ -119,7 +119,7 @@ def model(request, smollm2_path):
 
 @pytest.mark.slow
 def test_session_reuses_the_prefix_and_equals_a_fresh_run(model):
-  from pijax.engine import Session
+  from pijax.session import Session
   with Session(model) as session:
     first = model.generate(TURN1, chat=True, max_new_tokens=16, session=session)
     assert session.last_reused == 0
@@ -145,7 +145,7 @@ def test_session_reuses_the_prefix_and_equals_a_fresh_run(model):
 
 @pytest.mark.slow
 def test_closing_a_stream_early_keeps_the_session_usable(model):
-  from pijax.engine import Session
+  from pijax.session import Session
   session = Session(model)
   stream = model.stream(TURN1, chat=True, max_new_tokens=16, session=session)
   next(stream)
@@ -179,7 +179,7 @@ def test_stop_given_as_one_string_or_none(model):
 
 def test_session_of_another_model_is_refused(smollm2_path):
   import pijax
-  from pijax.engine import Session
+  from pijax.session import Session
   a = pijax.load(smollm2_path, max_seq_len=64)
   b = pijax.load(smollm2_path, max_seq_len=128)
   with pytest.raises(ConfigError, match="another Model"):

@@ -6,7 +6,9 @@ and runs the same loop over every backend: tokenize, chunked prefill, decode, sa
 Modelled on JetStream's `engine_api.Engine` (prefill / generate / init_decode_state).
 
 Every step method is traceable: the engine calls it inside `jax.jit` with the backend static
-(closed over), `params` and `state` as arguments, and the state donated.
+(closed over), `params` and `state` as arguments, and the state donated. How a step is compiled
+(`compile_step`) and which attention window it is compiled for (`attention_window`) are the
+backend's to say: the engine never branches on which backend it holds.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Callable
 
 import jax
 
+from pijax import steps as steps_lib
 from pijax.arch.spec import ModelConfig
 from pijax.errors import UnsupportedError
 
@@ -28,17 +31,9 @@ class Backend(abc.ABC):
   Attributes:
     config: the model's ModelConfig.
     name: "xla" | "host" | "hybrid".
-    exact_kv: True when a pass attends exactly [0, pos + T) whatever kv_len says (the host
-      backend): the engine then compiles one executable for every KV length.
-    donate_state: whether the engine donates the state's buffers to each step.
-    sampler_compiler_options: None (the engine compiles forward pass and sampling as one
-      program), or XLA options for compiling sampling as a program of its own.
   """
 
   name: str = "backend"
-  exact_kv: bool = False
-  donate_state: bool = True  # The engine donates the state to each step (device KV caches).
-  sampler_compiler_options: dict[str, Any] | None = None
   # Family switches (`ModelConfig.variant_switches`) this backend implements.
   implemented_switches: frozenset[str] = frozenset()
 
@@ -111,13 +106,20 @@ class Backend(abc.ABC):
     """One token per row, tokens i32[B] at position pos; returns (logits f32[B, V], state,
     active f32[L]); traceable."""
 
-  def eager_forward(self, kind: str) -> Callable[..., StepOut] | None:
-    """None, or `prefill` (kind "prefill*", with all_logits False) / `decode` (kind "decode*")
-    as a plain Python function of host values, same arguments (without the keywords) and
-    results, that the engine calls instead of compiling the pass: for a backend whose whole
-    forward pass is one host call, where the XLA program around it only adds dispatch."""
-    del kind
-    return None
+  # ----------------------------------------------------------------------------- compiling
+  def attention_window(self, needed: int, max_seq_len: int) -> int:
+    """The kv_len to compile a pass that needs `needed` positions for: a power-of-two bucket
+    (`pijax.steps.kv_bucket`), so decoding N tokens compiles once per bucket. A backend whose
+    passes attend exactly [0, pos + T) whatever kv_len says returns one value for all."""
+    return steps_lib.kv_bucket(needed, max_seq_len)
+
+  def compile_step(self, kind: str, kv_len: int, args: tuple, shared: dict) -> Callable:
+    """The engine's step `kind` (a key of `pijax.steps.STEPS`) compiled ahead of time for
+    `args` (params first, the state second and donated): a callable with the step's arguments
+    and results. `shared`: the engine's cache, for executables several steps can share.
+    Default: one XLA program (`pijax.steps.compile_fused`)."""
+    del shared
+    return steps_lib.compile_fused(kind, self, kv_len, args)
 
   # ----------------------------------------------------------------------------- accounting
   @abc.abstractmethod

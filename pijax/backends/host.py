@@ -39,6 +39,7 @@ from pijax.arch import spec
 from pijax.arch.spec import ModelConfig
 from pijax.backends import base
 from pijax import heap
+from pijax import steps as steps_lib
 from pijax.backends import bridge
 from pijax.config import FFN_FAMILIES, ROPE_ADJACENT
 from pijax.errors import ConfigError, GGUFError
@@ -101,7 +102,7 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
     if where.name not in tensors:
       raise GGUFError(f"{path}: tensor {where.name!r} is missing; the file is incomplete.")
     t = tensors[where.name]
-    rows = loader._slice_rows(t, where, shape, path)
+    rows = loader.slice_rows(t, where, shape, path)
     kind = _tensor_kind(t)
     if kind is not None and (weights == WEIGHTS_GGUF or kind == qmatmul.Q8_0) and \
         shape[1] % qmatmul.block_size(kind) == 0:
@@ -198,17 +199,13 @@ class HostBackend(base.Backend):
   """
 
   name = "host"
-  exact_kv = True
   # Sampling compiled apart, with XLA's loop emitters: its MLIR fusion emitters take ~100 MB of
   # transient compile heap for the sampler, the loop emitters ~25 MB, at the same speed. Apart,
   # because in one program with the callback those emitters move the callback off the calling
   # thread, and numba's OpenMP pools then starve each other (BUILD_NOTES, "Memory and load time").
-  sampler_compiler_options = {"xla_cpu_use_fusion_emitters": False}
+  # None: forward pass and sampling compiled as one program (`compile_step`).
+  sampler_compiler_options: dict[str, Any] | None = {"xla_cpu_use_fusion_emitters": False}
   implemented_switches = frozenset(spec.SWITCHES)  # Every family's switches.
-  # Donated although it is only an id: XLA:CPU then runs the step on the calling thread, where
-  # numba's thread pool lives; on XLA's worker thread the same host pass ran 3x slower
-  # (BUILD_NOTES.md, issue 10).
-  donate_state = True
 
   def __init__(self, config: ModelConfig, decoder: decoder_lib.HostDecoder, weights: str):
     super().__init__(config)
@@ -284,9 +281,25 @@ class HostBackend(base.Backend):
         jnp.zeros((), jnp.int32) if all_rows else index, out)
     return logits, state, active
 
+  # ----------------------------------------------------------------------------- compiling
+  def attention_window(self, needed: int, max_seq_len: int) -> int:
+    del needed, max_seq_len  # The host attends exactly [0, pos + T): one executable for all.
+    return 0
+
+  def compile_step(self, kind, kv_len, args, shared):
+    """Sampling steps as the forward pass called directly (`eager_forward`) then a sampler
+    compiled apart (`sampler_compiler_options`); the other steps as one program."""
+    if self.sampler_compiler_options is None or kind not in steps_lib.SPLIT_STEPS:
+      return super().compile_step(kind, kv_len, args, shared)
+    return steps_lib.compile_split(kind, self, kv_len, args, forward=self.eager_forward(kind),
+                                   sampler_options=self.sampler_compiler_options,
+                                   shared=shared)
+
   def eager_forward(self, kind):
-    """The sampling steps' forward pass called directly: the io_callback around it cost ~0.9 ms
-    of XLA dispatch and copies per SmolLM2 token (6.5 against 5.6 ms; BUILD_NOTES.md, issue 11)."""
+    """The sampling steps' forward pass (`prefill` for kind "prefill*", all_logits False;
+    `decode` for "decode*") as a plain function of host values, same arguments (without the
+    keywords) and results, called directly: the io_callback around it cost ~0.9 ms of XLA
+    dispatch and copies per SmolLM2 token (6.5 against 5.6 ms; BUILD_NOTES.md, issue 11)."""
     if kind.startswith("decode"):
       return lambda params, state, tokens, pos: self._forward_now(
           state, np.asarray(tokens)[:, None], pos, 0)

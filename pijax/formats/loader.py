@@ -102,8 +102,8 @@ def _check_finite(arr: np.ndarray, name: str, path: str) -> None:
                     "(re-download or re-convert it).")
 
 
-def _slice_rows(tensor: Any, where: registry.TensorSlice, shape: tuple[int, ...], path: str
-                ) -> tuple[int, int] | None:
+def slice_rows(tensor: Any, where: registry.TensorSlice, shape: tuple[int, ...], path: str
+               ) -> tuple[int, int] | None:
   """Checks that `tensor` holds `where`'s role with `shape`; returns the rows to read (None: all).
 
   Raises:
@@ -161,7 +161,7 @@ def read_gguf(path: str | os.PathLike[str], *, ffn_activation: str | None = None
         hint = " (PowerInfer files hold it as ffn_down_t; that is missing too)"
       raise GGUFError(f"{path}: tensor {where.name!r} is missing{hint}; the file is incomplete.")
     tensor = tensors[where.name]
-    rows = _slice_rows(tensor, where, shape, path)
+    rows = slice_rows(tensor, where, shape, path)
     # One row through the dequantizer: an unsupported type fails here, at load, not later (a
     # derived view: one row of its source).
     if tensor.source is not None:
@@ -183,7 +183,7 @@ def read_weight(tensors: dict[str, Any], where: registry.TensorSlice, shape: tup
   """
   if where.name not in tensors:
     raise GGUFError(f"{path}: tensor {where.name!r} is missing; the file is incomplete.")
-  rows = _slice_rows(tensors[where.name], where, shape, path)
+  rows = slice_rows(tensors[where.name], where, shape, path)
   arr = dequantize(tensors[where.name], path, dtype, rows=rows).reshape(shape)
   _check_finite(arr, where.name, path)
   return arr
@@ -230,7 +230,7 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: str = "float32",
     where, shape = plan[role, None]
     if where.name not in tensors:
       raise GGUFError(f"{path}: tensor {where.name!r} is missing; the file is incomplete.")
-    _slice_rows(tensors[where.name], where, shape, path)
+    slice_rows(tensors[where.name], where, shape, path)
     out = jnp.zeros(shape, np_dtype)
     block = 4096
     for start in range(0, shape[0], block):
