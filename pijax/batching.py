@@ -36,23 +36,9 @@ import numpy as np
 
 from pijax import sampling as sampling_lib
 from pijax.errors import ConfigError, ContextError
+from pijax.sampler import check_int, prng_seed
 from pijax.generation import (STOP_EOS, STOP_LENGTH, STOP_STRING, GenerationResult,
                               GenerationStats, TextOut, TokenStep)
-
-
-def check_int(name: str, value: Any, minimum: int) -> int:
-  """value as an int >= minimum (bools refused), else ConfigError naming it."""
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-    raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}.")
-  return int(value)
-
-
-def check_seed(seed: Any) -> int:
-  """A seed as `Model.generate_ids` takes it: an integer in [-2**63, 2**63); ConfigError else."""
-  seed = check_int("seed", seed, -(2 ** 63))
-  if seed >= 2 ** 63:
-    raise ConfigError(f"seed={seed} must be below 2**63.")
-  return seed
 
 
 def _sample_row(logits, key, params, recent, bias=None):
@@ -185,7 +171,7 @@ class BatchGenerator:
     model = self.model
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
     repeat_last_n = check_int("repeat_last_n", repeat_last_n, 1)
-    seed = check_seed(seed)
+    seed = prng_seed(seed)
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) and not (
         isinstance(ids, np.ndarray) and ids.ndim == 1):
       raise ConfigError(f"add needs the prompt's token ids (a list of ints; Model.encode_prompt "
@@ -205,7 +191,7 @@ class BatchGenerator:
                             weights=model.weights_label)
     recent = collections.deque([-1] * repeat_last_n, maxlen=repeat_last_n)
     recent.extend(ids[-repeat_last_n:])
-    seq = _Sequence(jax.random.PRNGKey(seed & 0xFFFFFFFF), params, recent, max_new_tokens, stats,
+    seq = _Sequence(jax.random.PRNGKey(seed), params, recent, max_new_tokens, stats,
                     bool(ignore_eos), temperature <= 0 and repeat_penalty == 1 and
                     presence_penalty == 0 and frequency_penalty == 0,
                     constraint=constraint, logprobs=bool(logprobs))
@@ -419,9 +405,9 @@ def generate_batch(model, prompts: Sequence[str | Sequence[int]], *, max_batch: 
     raise ConfigError("generate_batch returns texts; for log-probabilities use "
                       "BatchGenerator.add(..., logprobs=True).")
   if isinstance(seed, (list, tuple)):
-    seeds = [check_seed(s) for s in seed]
+    seeds = [prng_seed(s) for s in seed]
   else:
-    seeds = [check_seed(seed)] * len(prompts)
+    seeds = [prng_seed(seed)] * len(prompts)
   if len(seeds) != len(prompts):
     raise ConfigError(f"seed: one for all or one per prompt ({len(prompts)}), got {len(seeds)}.")
   stop = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)

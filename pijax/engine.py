@@ -129,14 +129,9 @@ class Model:
     return self.host_weights
 
   def configure_sparse(self, mode: str = "off", **options) -> None:
-    """Sets the FFN execution by `pijax.sparse_modes`' vocabulary: "off" (dense), "gate" or
-    "contribution" (a plain GGUF's host weights cut at run time; options as
-    `configure_host_weights`' gate_sparsity, calibration_file, gate_down, dot, weights), or a
-    bundle's "oracle" / "predictor" (options and errors: `pijax.backends.hybrid.for_model`).
-
-    Raises:
-      ConfigError: a mode that does not fit this model (`sparse_modes.check`), bad options.
-    """
+    """FFN execution in `pijax.sparse_modes`' words: "off"; "gate" / "contribution" (a GGUF's host
+    weights; options of `configure_host_weights`); a bundle's "oracle" / "predictor" (options:
+    `backends.hybrid.for_model`). Raises ConfigError: a mode that does not fit, bad options."""
     from pijax import sparse_modes
     sparse_modes.check(mode, bundle=self.sparse is not None)
     if mode in sparse_modes.HOST_MODES:

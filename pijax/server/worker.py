@@ -17,7 +17,7 @@ its prompt (a conversation's next turn prefills only its new tokens; llama-serve
 `cache_prompt`). A job's tokens are those of its run alone (greedy; seeded sampling).
 
 Other models (XLA / device placements, sparse modes) run one job at a time through
-`Model.generate_ids`, with up to `cache_slots` `pijax.engine.Session`s kept for prefix reuse.
+`Model.generate_ids`, with up to `cache_slots` `pijax.session.Session`s kept for prefix reuse.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class Worker:
                prefill_tokens: int = 128,
                on_token: Callable[[Job, float], None] | None = None,
                on_step: Callable[[int], None] | None = None):
-    from pijax import engine
+    from pijax.session import Session
     self.model = model
     self.max_queue = int(max_queue)
     self._queue: collections.deque[Job] = collections.deque()
@@ -189,7 +189,7 @@ class Worker:
       from pijax.batching import BatchGenerator
       self._batch = BatchGenerator(model, int(parallel), prefill_tokens)
     self.parallel = self._batch.max_batch if self._batch is not None else 1
-    self._slots = [engine.Session(model) for _ in range(max(1, int(cache_slots)))]
+    self._slots = [Session(model) for _ in range(max(1, int(cache_slots)))]
     self._used = [0.0] * len(self._slots)
     self.on_token = on_token
     self.on_step = on_step
