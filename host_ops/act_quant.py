@@ -17,6 +17,16 @@ import numpy as np
 from host_ops import common
 
 
+@numba.njit(**common.JIT)
+def _q8_scale(x, r, lo, n):
+  """(d, 1 / d or 0) of the values x[r, lo:lo + n]: d = max|x| / 127, ggml's 8-bit scale."""
+  amax = np.float32(0.0)
+  for e in range(n):
+    amax = max(amax, abs(x[r, lo + e]))
+  d = amax / np.float32(127.0)
+  return d, np.float32(1.0) / d if d > 0 else np.float32(0.0)
+
+
 @numba.njit(parallel=True, **common.JIT)
 def quantize_k(x):
   """x: f32[b, D] (D % 256 == 0) -> Q8_K activations for the K-quant kernels:
@@ -34,11 +44,7 @@ def quantize_k(x):
   for job in numba.prange(b * nsb):
     r = job // nsb
     u = job % nsb
-    amax = np.float32(0.0)
-    for e in range(256):
-      amax = max(amax, abs(x[r, 256 * u + e]))
-    d = amax / np.float32(127.0)
-    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+    d, inv = _q8_scale(x, r, 256 * u, 256)
     for m in range(16):
       s = 0
       for e in range(16):
@@ -65,11 +71,7 @@ def quantize_32(x):
   for job in numba.prange(b * nb):
     r = job // nb
     blk = job % nb
-    amax = np.float32(0.0)
-    for e in range(32):
-      amax = max(amax, abs(x[r, 32 * blk + e]))
-    d = amax / np.float32(127.0)
-    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+    d, inv = _q8_scale(x, r, 32 * blk, 32)
     s = 0
     for e in range(32):
       q = np.int32(np.rint(x[r, 32 * blk + e] * inv))

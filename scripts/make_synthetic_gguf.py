@@ -138,22 +138,27 @@ def write(path: str, *, shape: str = "llama2-7b", qtype: str = "Q4_1",
   return os.path.getsize(path)
 
 
+def add_shape_header(w, s: dict, name: str) -> None:
+  """The llama-style hyperparameters of shape `s` (a SHAPES entry) on GGUFWriter `w`."""
+  w.add_name(name)
+  w.add_block_count(s["layers"])
+  w.add_context_length(4096)
+  w.add_embedding_length(s["hidden"])
+  w.add_feed_forward_length(s["ffn"])
+  w.add_head_count(s["heads"])
+  w.add_head_count_kv(s["kv_heads"])
+  w.add_rope_freq_base(10000.0)
+  w.add_layer_norm_rms_eps(1e-5)
+  w.add_rope_dimension_count(s["hidden"] // s["heads"])
+  w.add_vocab_size(s["vocab"])
+
+
 def _write_to(tmp, gguf, s, qtype, activation, seed, shape) -> None:
   """Writes the file (see `write`) to `tmp`."""
   hidden, ffn, heads, kv, vocab = s["hidden"], s["ffn"], s["heads"], s["kv_heads"], s["vocab"]
   hd = hidden // heads
   w = gguf.GGUFWriter(tmp, "llama")
-  w.add_name(f"synthetic-{shape}-{activation}")
-  w.add_block_count(s["layers"])
-  w.add_context_length(4096)
-  w.add_embedding_length(hidden)
-  w.add_feed_forward_length(ffn)
-  w.add_head_count(heads)
-  w.add_head_count_kv(kv)
-  w.add_rope_freq_base(10000.0)
-  w.add_layer_norm_rms_eps(1e-5)
-  w.add_rope_dimension_count(hd)
-  w.add_vocab_size(vocab)
+  add_shape_header(w, s, f"synthetic-{shape}-{activation}")
   w.add_file_type({"Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
                    "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
                    "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype])

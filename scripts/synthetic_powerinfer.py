@@ -172,17 +172,8 @@ def _write_to(tmp: str, s: dict, shape: str, qtype: str, activation: str, seed: 
   ranks = [RANKS[shape][i % len(RANKS[shape])] for i in range(n)]
   arch = ACTIVATIONS[activation]
   w = gguf.GGUFWriter(tmp, arch)
-  w.add_name(f"synthetic-{shape}-{activation}-powerinfer")
-  w.add_block_count(n)
-  w.add_context_length(4096)
-  w.add_embedding_length(hidden)
-  w.add_feed_forward_length(ffn)
-  w.add_head_count(heads)
-  w.add_head_count_kv(kv)
-  w.add_rope_freq_base(10000.0)
-  w.add_layer_norm_rms_eps(1e-5)
-  w.add_rope_dimension_count(hd)
-  w.add_vocab_size(vocab)
+  from make_synthetic_gguf import add_shape_header  # Lazy: make_synthetic_gguf imports this.
+  add_shape_header(w, s, f"synthetic-{shape}-{activation}-powerinfer")
   w.add_file_type({"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
                    "F16": gguf.LlamaFileType.MOSTLY_F16}[qtype])
   w.add_float32(powerinfer.THRESHOLD_KEY, threshold)
