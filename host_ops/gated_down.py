@@ -443,8 +443,8 @@ def _down_threads(acts, ids, counts, dt_q, dt_d, partials, n_threads, block):
 def down_reference(acts, down_t: qmatmul.QMatrix, *, dot: str = qmatmul.DOT_F32) -> np.ndarray:
   """Float64 NumPy reference of the down pass: f32[b, D] = acts @ dequant(down_t).
 
-  acts: f32[b, F]. For `FileDownRows` with dot "int8" the activations are quantized per block of 32 neurons (`qdot.quantize_x_reference`), as the
-  dense down matvec does.
+  acts: f32[b, F]. For `FileDownRows` with dot "int8" the activations are quantized per block
+  of 32 neurons (`qdot.quantize_x_reference`), as the dense down matvec does.
   """
   acts = np.asarray(acts, np.float32)
   if down_t.kind == DOWN_FILE:

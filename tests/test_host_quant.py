@@ -216,10 +216,10 @@ def test_decoder_batched_rows_equal_solo_runs(kind, dot, family, down):
   passes of one token each, the shorter one finishing first) give each sequence's logits of
   its run alone: bit for bit with int8 products (every kernel's output depends on its own row
   only); with f32 products (fastmath: numba vectorizes the f32 dots per call shape, and
-  prefills of more than `pool.GEMV_MAX_ROWS` rows take the tiled kernel) to 1e-5. Dense (family None) and
-  with the gate-first FFN (calibrated SwiGLU cuts, exact ReLU families; Q8_0 neuron-major down
-  rows, and the default: the file's own blocks for Q4_1 layers). The layers' matrices are views of one aligned pool, and the phase
-  counters (`--profile_layers`) count every phase of every layer without changing results."""
+  prefills of more than `pool.GEMV_MAX_ROWS` rows take the tiled kernel) to 1e-5. Dense (family
+  None) and with the gate-first FFN (calibrated SwiGLU cuts, exact ReLU families; Q8_0
+  neuron-major down rows, and the default: the file's own blocks for Q4_1 layers). The layers'
+  matrices are views of one aligned pool, and the phase counters (`--profile_layers`) count every phase of every layer without changing results."""
   rng = np.random.default_rng(5)
   dec = _tiny_decoder(rng, kind, adjacent=True, dot=dot, family=family or "swiglu")
   assert dec.pool.pool.ctypes.data % 64 == 0
