@@ -316,7 +316,7 @@ class HostDecoder:
     nothing rounded again (`gated_ffn.FileDownRows`: 0.5 bytes/weight per active neuron plus
     0.125 for the scales; HostOpError for other down formats); or re-quantized from the
     file's values, "q8_0" (1.0625 bytes/weight; SmolLM2 Q4_1 perplexity 27.09 against 26.99
-    dense) or "q4_1" (0.625, but a second 4-bit rounding: 28.45; BUILD_NOTES.md, issue 11).
+    dense; re-quantized Q4_1 rows, a second 4-bit rounding at 28.45, were removed).
     None: "file" where every layer's down projection is Q4_1, else "q8_0". Built on first use
     and when the format changes; the old rows are dropped first (never both held), so if
     building fails the sparse FFN is left off.
@@ -356,7 +356,7 @@ class HostDecoder:
     if self._down_t is None or self._down_t[0].kind != down_format:
       self.enable_gated(None)  # Off and the old rows freed while the new ones are built.
       self._down_t = self._stacked_down_t = None
-      quantize = qmatmul.quantize_q4_1 if down_format == qmatmul.Q4_1 else qmatmul.quantize_q8_0
+      quantize = qmatmul.quantize_q8_0
       down_t, stacked_t = [], None
       for i, layer in enumerate(self.layers):  # One layer's f32 copy at a time.
         if down_format == gated_ffn.DOWN_FILE:
@@ -429,7 +429,7 @@ class HostDecoder:
 
   @property
   def down_format(self) -> str | None:
-    """The format of the neuron-major down rows built ("q4_1" | "q8_0" | "file"; kept while the
+    """The format of the neuron-major down rows built ("q8_0" | "file"; kept while the
     sparse FFN is off), None before any."""
     return None if self._down_t is None else self._down_t[0].kind
 

@@ -2,25 +2,18 @@
 
 The down projection is read neuron-major (`down_t`: row i = neuron i's output weights), so a
 neuron whose activation is 0 costs nothing. The file's blocks run along the neuron axis, so
-either the rows are re-quantized from the file's values, Q8_0 (34 bytes per 32 weights) or Q4_1
-(20, the bytes of a 4-bit file), or a Q4_1 file's own codes are transposed and its scales kept
-per block of 32 neurons (`FileDownRows`: 16 bytes per 32 weights of an active neuron plus 4
-always, nothing rounded twice). Which is used is `--gate_down` (file: the default for Q4_1
-down projections; q8_0 else; q4_1 opt-in) and the dot:
+either the rows are re-quantized from the file's values to Q8_0 (34 bytes per 32 weights), or a
+Q4_1 file's own codes are transposed and its scales kept per block of 32 neurons (`FileDownRows`:
+16 bytes per 32 weights of an active neuron plus 4 always, nothing rounded twice). Which is used
+is `--gate_down` (file: the default for Q4_1 down projections; q8_0 else) and the dot:
 
   Q8_0 rows:       f32 products, four rows at a time (`_down_threads`), either dot;
-  Q4_1 rows:       dot "f32": f32 products, four rows at a time (`_down_threads_q4_1`); dot
-                   "int8": GROUP rows at a time in integers (`_add_group_q4_1`: per block of 32
-                   outputs the GROUP coefficients a_k d_k[b] are quantized to 8 bits, scale
-                   max|c| / 127 as llama.cpp quantizes an activation block, multiplied with the
-                   rows' 4-bit codes by `vpmaddubsw`, pairs of rows interleaved byte by byte,
-                   summed in i16 and scaled once per block; plain f32 products ran compute-bound
-                   at the speed of the Q8_0 rows);
   FileDownRows:    dot "int8": the activations quantized per block of 32 neurons, a block's
                    active rows summed in integers (`_add_block_file_next`); dot "f32": one
                    neuron at a time in f32 (`_down_threads_file`, the exact path).
-The int8 kernels need AVX2 (qdot.AVAILABLE); elsewhere the f32 ones run. BUILD_NOTES.md
-("Q4_1 neuron-major down rows", "The file's own down blocks, transposed") has their timings.
+The int8 kernel needs AVX2 (qdot.AVAILABLE); elsewhere the f32 one runs. BUILD_NOTES.md
+("Q4_1 neuron-major down rows", "The file's own down blocks, transposed") has their timings,
+with those of re-quantized Q4_1 rows: removed (issue 33), no faster at +5% perplexity.
 
 Each thread takes a contiguous share of a row's nonzero list; per-thread partial sums are added
 in thread order: bitwise reproducible for a fixed thread count.
@@ -48,13 +41,13 @@ from host_ops.llvm_ir import (F32 as _F32, I8 as _I8, I16 as _I16, I32 as _I32, 
                               vec as _vec, x86 as _x86)
 
 
-# Formats of the neuron-major down rows: re-quantized Q8_0 or Q4_1 rows, or the file's own Q4_1
-# blocks transposed without rounding (`FileDownRows`).
+# Formats of the neuron-major down rows: re-quantized Q8_0 rows, or the file's own Q4_1 blocks
+# transposed without rounding (`FileDownRows`).
 DOWN_FILE = "file"
-DOWN_KINDS = (qmatmul.Q8_0, qmatmul.Q4_1, DOWN_FILE)
+DOWN_KINDS = (qmatmul.Q8_0, DOWN_FILE)
 # Bytes per 32 down weights of each format: (read per active neuron, read whatever the sparsity:
 # the file layout's d and m of every neuron block).
-DOWN_BLOCK_BYTES = {qmatmul.Q8_0: (34, 0), qmatmul.Q4_1: (20, 0), DOWN_FILE: (16, 4)}
+DOWN_BLOCK_BYTES = {qmatmul.Q8_0: (34, 0), DOWN_FILE: (16, 4)}
 
 # Neurons ahead whose whole rows (codes and scales) a thread prefetches in each pass (up and
 # down: `gated_ffn` uses it too).
@@ -88,171 +81,6 @@ def _add_rows4_q8_0(acc, a, ids, dt_q, dt_d, block):
       k = base + j
       acc[k] += (s0 * np.float32(q0[k]) + s1 * np.float32(q1[k])) + \
           (s2 * np.float32(q2[k]) + s3 * np.float32(q3[k]))
-
-
-@numba.njit(inline="always", **common.JIT)
-def _add_rows4_q4_1(acc, a, i4, qs, dd, mm, half):
-  """acc += sum_k a[k] * dequant(Q4_1 row i4[k]) for k < 4 (f32 products; qs u8[F, D/2], dd, mm
-  u16[F, D/32] f16 bits; half = 16 at run time, see `_add_row_q8_0`). Low nibbles are values
-  0..15 of a block, high nibbles 16..31, as ggml."""
-  q0, q1, q2, q3 = qs[i4[0]], qs[i4[1]], qs[i4[2]], qs[i4[3]]
-  d0, d1, d2, d3 = dd[i4[0]], dd[i4[1]], dd[i4[2]], dd[i4[3]]
-  m0, m1, m2, m3 = mm[i4[0]], mm[i4[1]], mm[i4[2]], mm[i4[3]]
-  for blk in range(d0.shape[0]):
-    base = blk * 2 * half
-    cb = blk * half
-    s0, s1 = a[0] * qblocks.f16_to_f32(d0[blk]), a[1] * qblocks.f16_to_f32(d1[blk])
-    s2, s3 = a[2] * qblocks.f16_to_f32(d2[blk]), a[3] * qblocks.f16_to_f32(d3[blk])
-    t = (a[0] * qblocks.f16_to_f32(m0[blk]) + a[1] * qblocks.f16_to_f32(m1[blk])) + \
-        (a[2] * qblocks.f16_to_f32(m2[blk]) + a[3] * qblocks.f16_to_f32(m3[blk]))
-    for j in range(half):
-      acc[base + j] += ((s0 * np.float32(q0[cb + j] & 15) + s1 * np.float32(q1[cb + j] & 15)) +
-                        (s2 * np.float32(q2[cb + j] & 15) + s3 * np.float32(q3[cb + j] & 15))) + t
-    for j in range(half):
-      acc[base + half + j] += (
-          (s0 * np.float32(q0[cb + j] >> 4) + s1 * np.float32(q1[cb + j] >> 4)) +
-          (s2 * np.float32(q2[cb + j] >> 4) + s3 * np.float32(q3[cb + j] >> 4))) + t
-
-
-# Rows per integer group of Q4_1 down rows (`_add_group_q4_1`): 4 pairs summed in i16 (at most
-# 4 * 2 * 15 * 127 = 15240). 8 ran faster than 4 or 16 on 7B shapes (16: register spills).
-GROUP = 8
-TINY = np.float32(1e-30)  # Smallest max|coefficient| of a group's block that is quantized.
-
-
-@intrinsic
-def _add_group_q4_1(typingctx, acc, qs, ids, cq, cs, ts):
-  """acc[32 b + o] += cs[b] * sum_k cq[k, b] * code(qs[ids[k]], 32 b + o) + ts[b] for the GROUP
-  rows ids (AVX2). acc: f32[D]; qs: u8[F, D/2]; ids: i64[GROUP]; cq: i8[GROUP, D/32]; cs, ts:
-  f32[D/32]. Rows 2p and 2p + 1 are interleaved byte by byte so one `vpmaddubsw` multiplies
-  each output's two codes with the pair (cq[2p, b], cq[2p + 1, b]); the four pairs add in i16."""
-  sig = types.void(acc, qs, ids, cq, cs, ts)
-
-  def codegen(context, builder, signature, args):
-    arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
-    accp, qsp, idp, cqp, csp, tsp = (a.data for a in arrays)
-    half = builder.extract_value(arrays[1].shape, 1)
-    nb = builder.extract_value(arrays[3].shape, 1)
-    rows = [builder.gep(qsp, [builder.mul(builder.load(builder.gep(idp, [ir.Constant(_I64, k)])),
-                                          half)]) for k in range(GROUP)]
-    vec = _vec
-    maddubs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", vec(_I16, 16),
-                        [vec(_I8, 32), vec(_I8, 32)])
-    with cgutils.for_range(builder, nb) as loop:
-      b = loop.index
-      codes = []
-      for k in range(GROUP):  # 32 codes in output order, as u8.
-        raw = _load(builder, rows[k], builder.mul(b, ir.Constant(b.type, 16)), vec(_I8, 16))
-        lo = builder.and_(raw, ir.Constant(vec(_I8, 16), [15] * 16))
-        hi = builder.lshr(raw, ir.Constant(vec(_I8, 16), [4] * 16))
-        codes.append(builder.shuffle_vector(lo, hi, ir.Constant(vec(_I32, 32), list(range(32)))))
-      sums = [None, None]
-      for p in range(GROUP // 2):
-        c0, c1 = (builder.zext(builder.load(builder.gep(
-            cqp, [builder.add(b, builder.mul(nb, ir.Constant(b.type, k)))])), _I16)
-                  for k in (2 * p, 2 * p + 1))
-        coef = builder.bitcast(_splat(builder, builder.or_(c0, builder.shl(c1, ir.Constant(
-            _I16, 8))), 16), vec(_I8, 32))
-        for h in range(2):  # Outputs 16 h .. 16 h + 15: (code_2p, code_2p+1) byte pairs.
-          pairs = builder.shuffle_vector(codes[2 * p], codes[2 * p + 1], ir.Constant(
-              vec(_I32, 32), [x for o in range(16 * h, 16 * h + 16) for x in (o, 32 + o)]))
-          prod = builder.call(maddubs, [pairs, coef])
-          sums[h] = prod if sums[h] is None else builder.add(sums[h], prod)
-      scale = _splat(builder, builder.load(builder.gep(csp, [b])), 16)
-      offset = _splat(builder, builder.load(builder.gep(tsp, [b])), 16)
-      for h in range(2):
-        part = common.fma(builder, builder.sitofp(builder.sext(sums[h], vec(_I32, 16)),
-                                                   vec(_F32, 16)), scale, offset)
-        ptr = builder.bitcast(builder.gep(accp, [builder.add(builder.mul(
-            b, ir.Constant(b.type, 32)), ir.Constant(b.type, 16 * h))]), vec(_F32, 16).as_pointer())
-        builder.store(common.fadd(builder, builder.load(ptr, align=4), part), ptr, align=4)
-    return context.get_dummy_value()
-
-  return sig, codegen
-
-
-@numba.njit(inline="always", **common.JIT)
-def _group_coefs(acts_r, ids8, n, dd, mm, c, cq, cs, ts):
-  """The integer group's coefficients: for rows ids8[:n] (the rest padding, coefficient 0) and
-  each block b, c = a_k d_k[b] quantized to cq[k, b] = rint(c / cs[b]), cs[b] = max_k |c| / 127;
-  ts[b] = sum_k a_k m_k[b] (Q4_1's offsets, exact f32). c: f32[GROUP, nb] scratch."""
-  nb = dd.shape[1]
-  for b in range(nb):
-    ts[b] = 0
-    cs[b] = 0
-  for k in range(GROUP):
-    a = acts_r[ids8[k]] if k < n else np.float32(0.0)
-    drow = dd[ids8[k]]
-    mrow = mm[ids8[k]]
-    for b in range(nb):
-      ck = a * qblocks.f16_to_f32(drow[b])
-      c[k, b] = ck
-      cs[b] = max(cs[b], abs(ck))
-      ts[b] += a * qblocks.f16_to_f32(mrow[b])
-  for b in range(nb):
-    # Below TINY the group's terms (< 1e-30 * 15 * GROUP) are dropped: 1 / (max / 127) would
-    # overflow to inf for subnormal maxima.
-    d = cs[b] / np.float32(127.0) if cs[b] >= TINY else np.float32(0.0)
-    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-    cs[b] = d
-    for k in range(GROUP):
-      cq[k, b] = np.int8(np.rint(c[k, b] * inv))
-
-
-@numba.njit(parallel=True, **common.JIT)
-def _down_threads_q4_1(acts, ids, counts, qs, dd, mm, partials, n_threads, half):
-  """`_down_threads` for neuron-major Q4_1 rows, f32 products, four rows at a time."""
-  for t in numba.prange(n_threads):
-    four = np.empty(4, np.int64)
-    a4 = np.empty(4, np.float32)
-    for r in range(acts.shape[0]):
-      lo = t * counts[r] // n_threads
-      hi = (t + 1) * counts[r] // n_threads
-      for j in range(lo, min(lo + AHEAD, hi)):
-        _prefetch_q4_1(ids[r], j, hi, qs, dd, mm)
-      j = lo
-      while j < hi:
-        for k in range(4):  # Past the end: row ids[r, j] again, times 0.
-          _prefetch_q4_1(ids[r], j + AHEAD + k, hi, qs, dd, mm)
-          four[k] = ids[r, j + k] if j + k < hi else ids[r, j]
-          a4[k] = acts[r, four[k]] if j + k < hi else np.float32(0.0)
-        _add_rows4_q4_1(partials[t, r], a4, four, qs, dd, mm, half)
-        j += 4
-
-
-@numba.njit(parallel=True, **common.JIT)
-def _down_threads_q4_1_int8(acts, ids, counts, qs, dd, mm, partials, n_threads, half):
-  """`_down_threads` for neuron-major Q4_1 rows, GROUP rows at a time in integers (module
-  docstring; only where qdot.AVAILABLE). Rows are prefetched two groups ahead."""
-  nb = dd.shape[1]
-  for t in numba.prange(n_threads):
-    ids8 = np.empty(GROUP, np.int64)
-    c = np.empty((GROUP, nb), np.float32)
-    cq = np.empty((GROUP, nb), np.int8)
-    cs = np.empty(nb, np.float32)
-    ts = np.empty(nb, np.float32)
-    for r in range(acts.shape[0]):
-      lo = t * counts[r] // n_threads
-      hi = (t + 1) * counts[r] // n_threads
-      for j in range(lo, min(lo + 2 * GROUP, hi)):
-        _prefetch_q4_1(ids[r], j, hi, qs, dd, mm)
-      j = lo
-      while j < hi:
-        n = min(GROUP, hi - j)
-        for k in range(GROUP):
-          _prefetch_q4_1(ids[r], j + 2 * GROUP + k, hi, qs, dd, mm)
-          ids8[k] = ids[r, j + k] if k < n else ids[r, j]
-        _group_coefs(acts[r], ids8, n, dd, mm, c, cq, cs, ts)
-        _add_group_q4_1(partials[t, r], qs, ids8, cq, cs, ts)
-        j += GROUP
-
-
-@numba.njit(inline="always", **common.JIT)
-def _prefetch_q4_1(ids, j, hi, qs, dd, mm):
-  """Prefetches Q4_1 row ids[j]: codes, scales and offsets."""
-  common.prefetch_at(ids, j, hi, qs)
-  common.prefetch_at(ids, j, hi, dd)
-  common.prefetch_at(ids, j, hi, mm)
 
 
 # ---------------------------------------------------------------- the file's blocks, transposed
@@ -497,7 +325,7 @@ class FileDownRows:
     if down.kind != qmatmul.Q4_1 or down.shape[0] % qmatmul.BLOCK:
       raise HostOpError(f"--gate_down=file needs a Q4_1 down projection with a multiple of 32 "
                         f"outputs; this one is {down.kind} {list(down.shape)}: use "
-                        f"--gate_down=q8_0 or q4_1")
+                        f"--gate_down=q8_0")
     qs, d, m = down.arrays
     dim, f = down.shape
     raw = qs.reshape(dim, f // qmatmul.BLOCK, 16)
@@ -523,7 +351,7 @@ class FileDownRows:
 
 def _down_rows(acts, ids, counts, dt, partials, n_threads, block, int8):
   """Adds the down rows of the nonzero activations into partials (numba only; the overload
-  picks the kernel of dt's format: (q, d) Q8_0 or (qs, d, m) Q4_1)."""
+  picks the kernel of dt's format: (q, d) Q8_0 or FileDownRows' (codes, dm))."""
   raise NotImplementedError("_down_rows runs inside numba-compiled code only")
 
 
@@ -545,20 +373,7 @@ def _down_rows_overload(acts, ids, counts, dt, partials, n_threads, block, int8)
     def q8_0(acts, ids, counts, dt, partials, n_threads, block, int8):
       _down_threads(acts, ids, counts, dt[0], dt[1], partials, n_threads, block)
     return q8_0
-  if not qdot.AVAILABLE:
-    def q4_1_f32(acts, ids, counts, dt, partials, n_threads, block, int8):
-      _down_threads_q4_1(acts, ids, counts, dt[0], dt[1], dt[2], partials, n_threads,
-                         block // 2)
-    return q4_1_f32
-
-  def q4_1(acts, ids, counts, dt, partials, n_threads, block, int8):
-    if int8:
-      _down_threads_q4_1_int8(acts, ids, counts, dt[0], dt[1], dt[2], partials, n_threads,
-                              block // 2)
-    else:
-      _down_threads_q4_1(acts, ids, counts, dt[0], dt[1], dt[2], partials, n_threads,
-                         block // 2)
-  return q4_1
+  raise TypeError("neuron-major down rows are Q8_0 (q, d) or FileDownRows arrays")
 
 
 def _down_dim(dt, block):
@@ -577,10 +392,9 @@ def _down_dim_overload(dt, block):
 def down_pass(acts, dt, n_threads, block, int8):
   """Pass 2: y[r] = sum over i with acts[r, i] != 0 of acts[r, i] * down_t[i]; returns (y, counts).
 
-  dt: neuron-major down rows, (q, d) Q8_0 or (qs, d, m) Q4_1 (`_down_rows`). Each thread takes a
-  contiguous share of each row's nonzero list, whole rows prefetched ahead; Q8_0 rows are added
-  four at a time (`_add_rows4_q8_0`) then the rest one by one, Q4_1 rows four at a time (f32) or
-  GROUP at a time (int8: integer products on quantized coefficients)."""
+  dt: neuron-major down rows, (q, d) Q8_0 or FileDownRows' arrays (`_down_rows`). Each thread
+  takes a contiguous share of each row's nonzero list, whole rows prefetched ahead; Q8_0 rows are
+  added four at a time (`_add_rows4_q8_0`) then the rest one by one."""
   b, f = acts.shape
   dim = _down_dim(dt, block)
   ids = np.empty((b, f), np.int32)
@@ -626,16 +440,11 @@ def _down_threads(acts, ids, counts, dt_q, dt_d, partials, n_threads, block):
           j += 1
 
 
-def down_reference(acts, down_t: qmatmul.QMatrix, *, dot: str = qmatmul.DOT_F32,
-                   n_threads: int | None = None) -> np.ndarray:
+def down_reference(acts, down_t: qmatmul.QMatrix, *, dot: str = qmatmul.DOT_F32) -> np.ndarray:
   """Float64 NumPy reference of the down pass: f32[b, D] = acts @ dequant(down_t).
 
-  acts: f32[b, F]. For Q4_1 rows with dot "int8" (where qdot.AVAILABLE) the coefficients are
-  quantized as the kernel does: groups of GROUP consecutive nonzero neurons within each of
-  n_threads (default: the host's) contiguous shares of a row's list, f32 arithmetic; a block
-  whose largest coefficient is below TINY adds nothing. For `FileDownRows` with dot "int8"
-  the activations are quantized per block of 32 neurons (`qdot.quantize_x_reference`), as the
-  dense down matvec does.
+  acts: f32[b, F]. For `FileDownRows` with dot "int8" the activations are quantized per block
+  of 32 neurons (`qdot.quantize_x_reference`), as the dense down matvec does.
   """
   acts = np.asarray(acts, np.float32)
   if down_t.kind == DOWN_FILE:
@@ -647,30 +456,4 @@ def down_reference(acts, down_t: qmatmul.QMatrix, *, dot: str = qmatmul.DOT_F32,
     else:
       x = acts.astype(np.float64)
     return (x @ down_t.dequantize()).astype(np.float32)
-  if not (down_t.kind == qmatmul.Q4_1 and dot == qmatmul.DOT_INT8 and qdot.AVAILABLE):
-    return (acts.astype(np.float64) @ qmatmul.dequantize_reference(down_t)).astype(np.float32)
-  n_threads = n_threads or common.ensure_host_threads()
-  qs, d, m = down_t.arrays
-  n, dim = down_t.shape
-  nb = dim // qmatmul.BLOCK
-  codes = qs.reshape(n, nb, 16).astype(np.int64)
-  codes = np.concatenate([codes & 15, codes >> 4], axis=2)  # [F, nb, 32], output order.
-  dv, mv = qmatmul.f16_values(d), qmatmul.f16_values(m)
-  y = np.zeros((acts.shape[0], dim), np.float64)
-  for r in range(acts.shape[0]):
-    ids = np.flatnonzero(acts[r])
-    for t in range(n_threads):
-      lo, hi = t * len(ids) // n_threads, (t + 1) * len(ids) // n_threads
-      for j in range(lo, hi, GROUP):
-        group = ids[j:min(j + GROUP, hi)]
-        a = acts[r, group]
-        c = a[:, None] * dv[group]  # f32 [k, nb]
-        mx = np.abs(c).max(axis=0)
-        cs = np.where(mx >= TINY, mx / np.float32(127.0), np.float32(0.0)).astype(np.float32)
-        with np.errstate(divide="ignore"):
-          inv = np.where(cs > 0, np.float32(1.0) / cs, np.float32(0.0)).astype(np.float32)
-        cq = np.rint(c * inv).astype(np.int64)
-        isum = (cq[:, :, None] * codes[group]).sum(axis=0)  # [nb, 32]
-        ts = (a[:, None].astype(np.float64) * mv[group]).sum(axis=0)
-        y[r] += (cs[:, None].astype(np.float64) * isum + ts[:, None]).reshape(dim)
-  return y.astype(np.float32)
+  return (acts.astype(np.float64) @ qmatmul.dequantize_reference(down_t)).astype(np.float32)

@@ -213,8 +213,8 @@ def _gated_kernel(g, h, up_w, up_d, up_m, dt, cuts, code, n_threads, block, q4):
 
   g: f32[b, F] gate pre-activations; h: f32[b, D]; up: Q4_1 rows [F, D] (q4 true: up_w nibbles
   u8[F, D/2], up_d and up_m u16[F, D/32]) or Q8_0 (up_w i8[F, D], up_d; up_m unused);
-  dt: neuron-major down rows [F, D], Q8_0 (q i8[F, D], d u16[F, D/32]) or Q4_1 (qs u8[F, D/2],
-  d, m u16[F, D/32]); scales as f16 bits; cuts: f32[2], the gate cut and the contribution
+  dt: neuron-major down rows [F, D], Q8_0 (q i8[F, D], d u16[F, D/32]) or `FileDownRows`'
+  arrays; scales as f16 bits; cuts: f32[2], the gate cut and the contribution
   cut (`up_pass`).
   """
   acts, passed = up_pass(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4)
@@ -225,7 +225,7 @@ def _gated_kernel(g, h, up_w, up_d, up_m, dt, cuts, code, n_threads, block, q4):
 @numba.njit(**common.JIT)
 def _gated_int8_kernel(g, h, up_w, up_d, up_m, dt, cuts, code, n_threads, block, q4):
   """`_gated_kernel` with up . h as an integer dot on h quantized per block (`host_ops.qdot`),
-  and Q4_1 down rows added in integers (`gated_down._add_group_q4_1`)."""
+  and `FileDownRows` added in integers (`gated_down._add_block_file_next`)."""
   acts, passed = up_pass_int8(g, h, up_w, up_d, up_m, cuts, code, n_threads, q4)
   y, counts = down_pass(acts, dt, n_threads, block, True)
   return y, counts, passed
@@ -239,12 +239,12 @@ def gated_ffn(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, cut: float,
   Args:
     g: f32[b, F] gate pre-activations (gate . h, computed densely by the caller).
     h: f32[b, D] the FFN input (after ffn_norm).
-    up: [F, D] Q4_1 or Q8_0; down_t: [F, D] neuron-major, Q8_0 or Q4_1 QMatrix rows or
+    up: [F, D] Q4_1 or Q8_0; down_t: [F, D] neuron-major, Q8_0 QMatrix rows or
       `FileDownRows`.
     cut: SwiGLU: minimum |silu(g)| of an active neuron (>= 0); ignored by ReLU families.
     family: "swiglu" | "reglu" | "drelu".
-    dot: "f32", or "int8": up . h on h quantized per block of 32 (`host_ops.qdot`), and Q4_1
-      down rows added in integers on coefficients quantized per group (`gated_down`); f32
+    dot: "f32", or "int8": up . h on h quantized per block of 32 (`host_ops.qdot`), and
+      `FileDownRows` on activations quantized per block of 32 neurons (`gated_down`); f32
       where qdot.AVAILABLE is False.
     contribution_cut: minimum |act(g, up . h)| of a neuron whose down row is read (>= 0; 0:
       off). The exact-contribution rule: with cut 0 every up row is read and only down rows

@@ -114,8 +114,8 @@ def layer_gated(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
 def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
   """`gated_ffn.gated_ffn`'s passes for stacked up rows (Q4_1 (qs, d, m) or Q8_0 (q, d), each
   [L, F, ...]: separate C arrays, or views into one record per row, `_build_up_records`) and
-  stacked neuron-major down rows dt: Q8_0 (i8[L, F, D], u16[L, F, D/32]) or Q4_1 (u8[L, F, D/2],
-  u16[L, F, D/32] twice); the integer kernel only where qdot.AVAILABLE."""
+  stacked neuron-major down rows dt: Q8_0 (i8[L, F, D], u16[L, F, D/32]) or `FileDownRows`'
+  arrays; the integer kernel only where qdot.AVAILABLE."""
   block = np.int64(qmatmul.BLOCK)
   q4 = len(up_w) == 3
   m = 2 if q4 else 1  # Q8_0: its scales stand in for the offsets, never read.

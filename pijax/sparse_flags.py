@@ -71,11 +71,11 @@ CALIBRATION_FILE = flags.DEFINE_string("calibration_file", None, "Text to calibr
                                        "--sparse=gate|contribution cuts on (not the evaluation "
                                        "text).")
 GATE_DOWN = flags.DEFINE_enum(
-    "gate_down", None, ["q8_0", "q4_1", "file"], "With --sparse=gate|contribution: the format of the "
+    "gate_down", None, ["q8_0", "file"], "With --sparse=gate|contribution: the format of the "
     "neuron-major down rows: file (the default for Q4_1 files: the file's own blocks "
     "transposed, exact, 16 bytes per 32 weights of an active neuron plus 4 for the scales), "
     "or re-quantized from the file's values: q8_0 (the default for other files; close to the "
-    "file) or q4_1 (a second 4-bit rounding: SmolLM2 perplexity +5%).")
+    "file).")
 
 def _number(value) -> bool:
   """An int or float that is not NaN (infinities allowed)."""
@@ -174,7 +174,7 @@ def check(cfg: Any = None, model: str | None = None) -> None:
     if types and types != {"Q4_1"}:
       raise ConfigError(f"--gate_down=file reads a Q4_1 file's own down blocks, but this file's "
                         f"down projections are {', '.join(sorted(types))}: use "
-                        "--gate_down=q8_0 or q4_1, or drop --gate_down.")
+                        "--gate_down=q8_0, or drop --gate_down.")
   dot = pick(HOST_DOT, "host_dot")
   if dot is not None and mode in sparse_modes.BUNDLE_MODES:
     raise ConfigError("--host_dot is for runs on host weights of a GGUF; --sparse=oracle and "

@@ -366,7 +366,7 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
     gate_cuts: turn on the gate-first sparse FFN (`host_ops.gated_ffn`): None = off, True =
       on with cuts calibrated on `calibration_chunks` (int[t] token arrays) for `gate_sparsity`
       (SwiGLU), or zero cuts (ReLU families and gate_sparsity 0: exact zeros skipped).
-    gate_down: the neuron-major down rows' format, "q8_0" | "q4_1" | "file" | None (file
+    gate_down: the neuron-major down rows' format, "q8_0" | "file" | None (file
       where the down projections are Q4_1, else q8_0; `HostDecoder.enable_gated`).
     gate_rule: "gate" (the cuts are on |act_gate(g)|) or "contribution" (gate cuts 0, the
       calibrated cuts on |act(g, u)|: every up row read, down rows skipped).
@@ -458,8 +458,8 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
       (|act(gate . h, up . h)|: every up row read, down rows skipped; the sound rule for
       SwiGLU on 4-bit weights, issue 11).
     gate_down: with gate_sparse, the format of the neuron-major down rows: "file" (a Q4_1
-      file's blocks transposed, exact: 0.5 bytes/weight per active neuron plus 0.125), "q8_0"
-      (1.0625) or "q4_1" (0.625, a second 4-bit rounding); None: file where the down
+      file's blocks transposed, exact: 0.5 bytes/weight per active neuron plus 0.125) or
+      "q8_0" (1.0625, re-quantized); None: file where the down
       projections are Q4_1, else q8_0.
     dot: "int8" (every matmul, prefill included, quantizes activations per block and sums
       integer products, llama.cpp's arithmetic; the default) or "f32" (exact f32 activations;
