@@ -28,7 +28,7 @@ def _quit_now(sig, frame) -> None:
   del sig, frame
   sys.stderr.write(f"\n{PROG}: interrupted\n")
   sys.stderr.flush()
-  os._exit(130)
+  os._exit(130)  # Python's immediate exit: no unwinding of half-done imports or threads.
 
 
 if __name__ == "__main__":  # Ctrl-C while the imports below run (~1 s): quit, no traceback.
