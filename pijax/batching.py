@@ -104,6 +104,8 @@ class BatchGenerator:
         max_batch < 1:
       raise ConfigError(f"max_batch={max_batch!r} must be an integer >= 1.")
     self.prefill_tokens = check_int("prefill_tokens", prefill_tokens, 1)
+    from pijax import engine  # The engine's chunk: bounds a pass's scratch (rows x F).
+    self.prefill_chunk = engine.PREFILL_CHUNK  # Prompt tokens per pass when none decodes.
     self.model = model
     self.backend = model.backend
     self.decoder = model.backend.decoder
@@ -209,8 +211,7 @@ class BatchGenerator:
     seq.fed = list(ids)
     t0 = time.perf_counter()
     n = len(ids)
-    from pijax import engine  # The engine's chunk: bounds the pass's scratch (rows x F).
-    chunk = engine.PREFILL_CHUNK
+    chunk = self.prefill_chunk
     try:
       for start in range(reused, n, chunk):
         end = min(n, start + chunk)
@@ -245,8 +246,7 @@ class BatchGenerator:
       return {}
     decoding = sorted(s for s, q in self._live.items() if q.prompt is None)
     if prefill_tokens is None:
-      from pijax import engine  # The engine's chunk: bounds the pass's scratch (rows x F).
-      prefill_tokens = self.prefill_tokens if decoding else engine.PREFILL_CHUNK
+      prefill_tokens = self.prefill_tokens if decoding else self.prefill_chunk
     budget = check_int("prefill_tokens", prefill_tokens, 1)
     tokens = [self._live[s].token for s in decoding]
     slots = list(decoding)
