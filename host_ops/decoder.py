@@ -446,20 +446,25 @@ class HostDecoder:
     chunks = list(chunks)
     if not chunks:
       raise HostOpError("calibrate_gate_cuts needs at least one chunk of tokens")
+    recorded = [self.record_ffn(chunk, contribution).reshape(self.n_layers, -1)
+                for chunk in chunks]
+    values = np.concatenate(recorded, axis=1)
+    return [float(np.quantile(v, sparsity)) for v in values]
+
+  def record_ffn(self, tokens, contribution: bool = True) -> np.ndarray:
+    """f32[L, T, F]: per layer and token, every FFN neuron's |act(gate . h, up . h)|
+    (contribution=True) or |act_gate(gate . h)| as this decoder's products compute them, for
+    tokens: int[T] run densely from position 0 in a cache of their own."""
+    tokens = np.asarray(tokens).reshape(-1)
     saved = self.gate_cuts
     self.gate_cuts = None
-    recorded = []
     try:
-      for chunk in chunks:
-        chunk = np.asarray(chunk).reshape(-1)
-        record = np.empty((self.n_layers, chunk.shape[0], self.intermediate_size), np.float32)
-        self._forward(self.new_cache(1, chunk.shape[0]), chunk,
-                      np.zeros(chunk.shape[0], np.int64), np.arange(chunk.shape[0]),
-                      [chunk.shape[0] - 1], record,
-                      RECORD_CONTRIBUTION if contribution else RECORD_GATE)
-        recorded.append(record.reshape(self.n_layers, -1))
-      values = np.concatenate(recorded, axis=1)
-      return [float(np.quantile(v, sparsity)) for v in values]
+      record = np.empty((self.n_layers, tokens.shape[0], self.intermediate_size), np.float32)
+      self._forward(self.new_cache(1, tokens.shape[0]), tokens,
+                    np.zeros(tokens.shape[0], np.int64), np.arange(tokens.shape[0]),
+                    [tokens.shape[0] - 1], record,
+                    RECORD_CONTRIBUTION if contribution else RECORD_GATE)
+      return record
     finally:
       self.gate_cuts = saved
 

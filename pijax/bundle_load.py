@@ -1,6 +1,6 @@
 """The bundle half of `pijax.load`: a bundle converted by `pijax.convert` put on the model of its
 source GGUF (the FFN rows in the bundle's neuron order, predictors and placement in
-`Model.sparse`)."""
+`Model.sparse`), and the backend each --sparse mode of a bundle runs on."""
 
 from __future__ import annotations
 
@@ -16,20 +16,65 @@ from pijax.formats.loader import load_gguf
 def attach(model: Any, bundle: bundle_lib.SparseBundle, src: str, activation: str | None
            ) -> None:
   """Puts `bundle` on `model` (a `pijax.engine.Model` loaded from the bundle's source GGUF
-  `src`): the dense XLA backend over the permuted FFN rows; `model.sparse` and `model.path`
-  name the bundle.
+  `src`); `model.sparse` and `model.path` name the bundle. The dense tree with the permuted FFN
+  rows is built when first read (`rows`, `model.params`): a run on the host engine never
+  builds it (`backend_for`).
 
   Raises:
     BundleError: the bundle does not fit the source's config.
   """
   bundle_lib.check_source_config(bundle, model.config)
-  if bundle.ffn is None:  # Version 2: the source's own rows, in the bundle's neuron order.
-    # f32 rows whatever the compute dtype (the host part reads them as f32, as version 1).
-    f32 = model.params if np.dtype(model.dtype) == np.float32 else \
-        load_gguf(src, dtype="float32", ffn_activation=activation)[1]
-    bundle.ffn = bundle_lib.permute_ffn(f32, model.config.n_layers, bundle.perm)
-    del f32
-  model.params = bundle_lib.with_ffn(model.params, bundle.ffn, model.dtype)
-  model.use_backend(xla_backend.XlaBackend(model.config, model.params, model.dtype))
+  dtype = model.dtype
+
+  def permuted() -> Any:
+    source = load_gguf(src, dtype=str(np.dtype(dtype)), ffn_activation=activation)[1]
+    if bundle.ffn is None:  # Version 2: the source's own rows, in the bundle's neuron order.
+      # f32 rows whatever the compute dtype (the host part reads them as f32, as version 1).
+      f32 = source if np.dtype(dtype) == np.float32 else \
+          load_gguf(src, dtype="float32", ffn_activation=activation)[1]
+      bundle.ffn = bundle_lib.permute_ffn(f32, model.config.n_layers, bundle.perm)
+      del f32
+    return bundle_lib.with_ffn(source, bundle.ffn, dtype)
+
+  model.params = permuted
+  model.use_backend(xla_backend.XlaBackend(model.config, lambda: model.params, model.dtype))
   model.sparse = bundle
   model.path = bundle.path
+
+
+def rows(model: Any) -> dict[str, Any]:
+  """The bundle's permuted neuron-major FFN rows {layers_i: {gate, up, down}: f32[F, D]},
+  built from the source GGUF on first use."""
+  model.params  # Builds bundle.ffn with the permuted tree (`attach`).
+  return model.sparse.ffn
+
+
+def backend_for(model: Any, mode: str, *, hot_ratio: float | None = None,
+                device_budget_gb: float | None = None, predictor_kind: str = "auto",
+                use_pallas: bool | None = None, threshold_scale: float | None = None,
+                host_dot: str | None = None, host_threads: int | None = None, **options):
+  """The backend of bundle `model` in `mode` ("off" | "oracle" | "predictor"): the host engine
+  over the source GGUF's blocks (`pijax.backends.host.for_bundle`) when every neuron is on the
+  host (no --hot_ratio / --device_budget_gb above 0, no GPU) and the mode runs there; else the
+  hybrid backend (`pijax.backends.hybrid.for_model`, options passed on).
+
+  Raises:
+    ConfigError, BudgetError: see those two.
+  """
+  from pijax.backends import host, hybrid
+  from pijax.errors import ConfigError
+  if host_threads is not None:
+    host.set_threads(host_threads)
+  all_host = not hot_ratio and device_budget_gb is None and not use_pallas
+  on_host = (all_host and predictor_kind == "auto" and options.get("overlap") in (None, False)
+             and host.bundle_runs_on_host(model, mode))
+  if on_host:
+    return host.for_bundle(model, mode, threshold_scale=1.0 if threshold_scale is None
+                           else threshold_scale, dot=host_dot)
+  if host_dot is not None:
+    raise ConfigError(f"--host_dot is for runs on host weights; --sparse={mode} on this bundle "
+                      "runs its f32 rows (drop --host_dot).")
+  return hybrid.for_model(model, mode, hot_ratio=hot_ratio, device_budget_gb=device_budget_gb,
+                          predictor_kind=predictor_kind, use_pallas=use_pallas,
+                          threshold_scale=1.0 if threshold_scale is None else threshold_scale,
+                          **options)

@@ -166,8 +166,13 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
         dtype_bytes=_DTYPE_BYTES[opts.device_dtype], predictor_ranks=ranks, tile=opts.tile,
         layer_weights=layer_weights, hot_ratio=opts.hot_ratio,
         predictor_neuron_bytes=predictor_lib.hot_neuron_bytes(cfg.hidden_size, kind))
+    t0 = time.perf_counter()
+    host_rule = host_rule_quality(model, prof, opts.calibration)
     manifest = build_manifest(model, opts, prof, preds, placement, ffn_layer_bytes,
-                              {"profile_s": profile_s, "train_predictors_s": train_s})
+                              {"profile_s": profile_s, "train_predictors_s": train_s,
+                               "host_rule_s": time.perf_counter() - t0})
+    # The rule a CPU run of the bundle uses (`pijax.backends.host.for_bundle`) and its quality.
+    manifest["host_rule"] = host_rule
     # The rows themselves are not stored: a load permutes the source GGUF's (bundle version 2).
     tree = {
         "perm": perm,
@@ -195,6 +200,44 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
   finally:
     if not opts.keep_workdir and not opts.workdir:
       shutil.rmtree(workdir, ignore_errors=True)
+
+
+def host_rule_quality(model, prof: Profile, calibration: str) -> dict[str, Any] | None:
+  """What the host engine's predictor mode does on the profile's test split (issue 32): the
+  contribution rule |act(g, u)| >= t_l from its int8 products on the GGUF's blocks, along its
+  own dense run, against the f32 model's true sets. None where a bundle of this model does not
+  run that rule (a family outside `host.CONTRIBUTION_FAMILIES` or a source the host engine
+  re-quantizes). Returns {"rule", "products", "split", "tokens", "recall", "precision",
+  "predicted_sparsity", "true_sparsity", "layers": [per-layer dicts of those four]}."""
+  from pijax.backends import host
+  from pijax.profile import SPLIT_TEST, layer_active
+  cfg = model.config
+  if cfg.ffn_family not in host.CONTRIBUTION_FAMILIES or \
+      not host.file_is_block_quantized(model.path):
+    return None
+  dec = host.build_decoder(model.path, cfg, host.WEIGHTS_GGUF)
+  with open(calibration, encoding="utf-8") as f:  # Tokenized as `profile_model` did.
+    ids = model.tokenizer.encode(f.read(), add_special=False)
+  inputs = prof.ffn_inputs(cfg)
+  n = prof.chunk_len
+  stats = np.zeros((cfg.n_layers, 4), np.int64)  # tp, predicted, true, total
+  test_chunks = [c for c in range(prof.n_tokens // n) if prof.split[c * n] == SPLIT_TEST]
+  for c in test_chunks:
+    record = dec.record_ffn(np.asarray(ids[c * n:(c + 1) * n]))
+    for layer in range(cfg.n_layers):
+      t = float(prof.thresholds[layer])
+      true = layer_active(model.params, cfg, layer, np.asarray(inputs[layer, c * n:(c + 1) * n]),
+                          t)
+      pred = record[layer] >= t
+      stats[layer] += [(pred & true).sum(), pred.sum(), true.sum(), true.size]
+  del inputs
+  layers = [{"recall": tp / tr if tr else 1.0, "precision": tp / pr if pr else 1.0,
+             "predicted_sparsity": 1.0 - pr / tot, "true_sparsity": 1.0 - tr / tot}
+            for tp, pr, tr, tot in stats.tolist()]
+  out = {"rule": "contribution", "products": "int8", "split": "test",
+         "tokens": len(test_chunks) * n}
+  out.update({k: float(np.mean([row[k] for row in layers])) for k in layers[0]})
+  return out | {"layers": layers}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -296,6 +339,12 @@ def format_table(manifest: dict[str, Any]) -> str:
                     ps=_fmt(layer["predicted_sparsity"]), ts=_fmt(layer["true_sparsity"]),
                     kb=layer["predictor_bytes"] / 1024, **layer))
   t = manifest["totals"]
+  rule = manifest.get("host_rule")
+  if rule:
+    rows.append(f"\nhost engine (CPU runs of --sparse=predictor): {rule['rule']} rule, "
+                f"{rule['products']} products, {rule['split']} split ({rule['tokens']} tokens): "
+                f"recall {rule['recall']:.3f}, precision {rule['precision']:.3f}, predicted "
+                f"sparsity {rule['predicted_sparsity']:.3f}, true {rule['true_sparsity']:.3f}")
   rows.append(f"\nmean recall {_fmt(t['mean_recall'])}, mean predicted sparsity "
               f"{_fmt(t['mean_predicted_sparsity'])}, mean true sparsity "
               f"{_fmt(t['mean_true_sparsity'])}, predictor bytes "

@@ -90,8 +90,9 @@ class Model:
 
   @params.setter
   def params(self, value: Any) -> None:
-    self._params = value
-    self._load_params = None
+    """A param tree, or a zero-argument function that returns one when first needed."""
+    self._params = None if callable(value) else value
+    self._load_params = value if callable(value) else None
 
   @property
   def params_loaded(self) -> bool:
@@ -138,8 +139,12 @@ class Model:
       self.configure_host_weights(options.pop("weights", "auto"), gate_sparse=True,
                                   gate_rule=mode, **options)
       return
-    from pijax.backends import hybrid
-    self.use_backend(hybrid.for_model(self, mode, **options))
+    if self.sparse is None:  # "off" on a plain GGUF: the dense backend.
+      from pijax.backends import hybrid
+      self.use_backend(hybrid.for_model(self, mode, **options))
+      return
+    from pijax import bundle_load
+    self.use_backend(bundle_load.backend_for(self, mode, **options))
 
   def replace(self, *, hot_ratio: float | None = None,
               device_budget_gb: float | None = None) -> list[int]:

@@ -3,7 +3,9 @@
 Runs the bundle's dense model over `max_tokens` of a text (chunks of `chunk_len` tokens), and
 per layer compares the predictor's active set (logit >= cut) with the true one (the bundle's
 activity thresholds): recall, precision, predicted and true sparsity, pooled over tokens and
-neurons. Use a text the bundle was not calibrated on (e.g. WikiText-2 test for a Shakespeare
+neurons. The predictor is the one the runtime uses (`--predictor_kind=auto`): on a CPU backend
+a SwiGLU bundle's is the host engine's contribution rule ("contribution": |act(g, u)| from its
+int8 products on the GGUF's blocks, along its own dense run, >= the threshold). Use a text the bundle was not calibrated on (e.g. WikiText-2 test for a Shakespeare
 calibration).
 """
 
@@ -18,20 +20,25 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from pijax import bundle_load
 from pijax.nn import transformer as model_lib
 from pijax.offline import predictor as predictor_lib
 from pijax.errors import ConfigError
 from pijax.profile import layer_active
 
+CONTRIBUTION = "contribution"  # The host engine's exact rule (`resolve_kind`).
+
 
 def evaluate_predictors(model, text: str, *, max_tokens: int = 8192, chunk_len: int = 512,
                         predictor_kind: str = "mlp", threshold_scale: float = 1.0,
-                        progress: bool = True) -> list[dict[str, float]]:
+                        dot: str | None = None, progress: bool = True) -> list[dict[str, float]]:
   """Per-layer {recall, precision, predicted_sparsity, true_sparsity} of a bundle on `text`.
 
-  predictor_kind: "mlp" (the bundle's trained predictors at their cuts) or "lowbit" (the 4-bit
+  predictor_kind: "mlp" (the bundle's trained predictors at their cuts), "lowbit" (the 4-bit
   gate/up estimate at cut = threshold_scale x the layer's contribution threshold; see
-  `pijax.offline.predictor`). The true active sets always use the unscaled thresholds.
+  `pijax.offline.predictor`) or "contribution" (the host engine's rule at that cut, products
+  as --host_dot=`dot` computes them; `pijax.backends.host.for_bundle`). The true active sets
+  always use the unscaled thresholds on the f32 model.
 
   Raises:
     ConfigError: the model is not a bundle, or the text is shorter than one chunk.
@@ -50,7 +57,12 @@ def evaluate_predictors(model, text: str, *, max_tokens: int = 8192, chunk_len: 
     raise ConfigError(f"only {len(ids)} tokens to evaluate (text and --max_tokens), fewer than "
                       f"one chunk ({chunk_len}); give more text or a smaller --chunk_len.")
   from pijax.nn import hybrid
-  predictor_kind = hybrid.resolve_predictor_kind(model, predictor_kind)
+  runtime = None  # The host engine's decoder, for the contribution rule.
+  if predictor_kind == CONTRIBUTION:
+    from pijax.backends import host
+    runtime = host.for_bundle(model, "off", dot=dot).decoder
+  else:
+    predictor_kind = hybrid.resolve_predictor_kind(model, predictor_kind)
   if predictor_kind == predictor_lib.PREDICTOR_MLP and not model.sparse.predictors:
     raise ConfigError(f"{model.path}: this bundle holds the low-bit predictor, not MLP "
                       "predictors; use --predictor_kind=auto (or lowbit).")
@@ -60,7 +72,7 @@ def evaluate_predictors(model, text: str, *, max_tokens: int = 8192, chunk_len: 
       if model.sparse.lowbit is not None:
         lowbit[layer] = model.sparse.lowbit[f"layers_{layer}"]
         continue
-      rows = model.sparse.ffn[f"layers_{layer}"]
+      rows = bundle_load.rows(model)[f"layers_{layer}"]
       lowbit[layer] = predictor_lib.lowbit_params(np.asarray(rows["gate"], np.float32),
                                                   np.asarray(rows["up"], np.float32))
   estimate = jax.jit(functools.partial(predictor_lib.lowbit_contribution, family=cfg.ffn_family))
@@ -69,10 +81,15 @@ def evaluate_predictors(model, text: str, *, max_tokens: int = 8192, chunk_len: 
   for c in tqdm(range(n_chunks), desc="evaluate predictors", disable=not progress):
     tokens = jnp.asarray(np.asarray(ids[c * chunk_len:(c + 1) * chunk_len], np.int32)[None])
     inputs = np.asarray(run(model.params, tokens))[:, 0]  # [L, T, D]
+    # The runtime's contributions in the file's neuron order, then the bundle's.
+    record = None if runtime is None else runtime.record_ffn(np.asarray(tokens)[0])
     for layer in range(cfg.n_layers):
       true = layer_active(model.params, cfg, layer, inputs[layer],
                           float(model.sparse.thresholds[layer]))
-      if lowbit:
+      if record is not None:
+        cut = float(model.sparse.thresholds[layer]) * threshold_scale
+        pred = record[layer][:, model.sparse.perm[layer]] >= cut
+      elif lowbit:
         p = model.params[f"layers_{layer}"]
         h = model_lib.rms_norm(jnp.asarray(inputs[layer]), p["ffn_norm"]["scale"],
                                cfg.rms_norm_eps)
@@ -90,6 +107,16 @@ def evaluate_predictors(model, text: str, *, max_tokens: int = 8192, chunk_len: 
                 "predicted_sparsity": 1.0 - pred / total,
                 "true_sparsity": 1.0 - true / total})
   return out
+
+
+def resolve_kind(model, kind: str) -> str:
+  """The predictor a run of bundle `model` uses: "auto" is "contribution" where the bundle's
+  --sparse=predictor runs on the host engine, else `pijax.nn.hybrid.resolve_predictor_kind`."""
+  from pijax.backends import host
+  from pijax.nn import hybrid
+  if kind == CONTRIBUTION or (kind == "auto" and host.bundle_runs_on_host(model, "predictor")):
+    return CONTRIBUTION
+  return hybrid.resolve_predictor_kind(model, kind)
 
 
 def format_table(rows: list[dict[str, float]], manifest: dict[str, Any],
@@ -123,10 +150,10 @@ def main(argv: list[str]) -> None:
                       "(1 = the calibrated thresholds).")
   text = cli.read_text(f.text, "text")
   model = pijax.load(f.model, max_seq_len=max(f.chunk_len, 16))
-  from pijax.nn import hybrid
-  kind = hybrid.resolve_predictor_kind(model, f.predictor_kind)  # Auto: what the runtime runs.
+  kind = resolve_kind(model, f.predictor_kind)  # Auto: what the runtime runs.
   rows = evaluate_predictors(model, text, max_tokens=f.max_tokens, chunk_len=f.chunk_len,
-                             predictor_kind=kind, threshold_scale=f.threshold_scale)
+                             predictor_kind=kind, threshold_scale=f.threshold_scale,
+                             dot=f.host_dot)
   sys.stdout.write(format_table(rows, model.sparse.manifest, kind) + "\n")
 
 
@@ -137,7 +164,10 @@ if __name__ == "__main__":
   flags.DEFINE_string("text", None, "Evaluation text file.", required=True)
   flags.DEFINE_integer("max_tokens", 8192, "Tokens to evaluate.")
   flags.DEFINE_integer("chunk_len", 512, "Tokens per chunk.")
-  flags.DEFINE_enum("predictor_kind", "auto", ["auto", "mlp", "lowbit"],
-                    "Predictor to evaluate (auto: lowbit for SwiGLU/GeGLU, else mlp).")
+  flags.DEFINE_enum("predictor_kind", "auto", ["auto", "mlp", "lowbit", CONTRIBUTION],
+                    "Predictor to evaluate (auto: the runtime's: contribution for a SwiGLU "
+                    "bundle on the host engine, else lowbit for SwiGLU/GeGLU, mlp for ReLU).")
+  flags.DEFINE_enum("host_dot", None, ["int8", "f32"],
+                    "The contribution rule's products (default int8, as the runtime).")
   flags.DEFINE_float("threshold_scale", 1.0, "Low-bit predictor: cut = this x the threshold.")
   cli.run(main, "pijax.eval_predictors")

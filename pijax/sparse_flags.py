@@ -32,8 +32,10 @@ HOST_THREADS = flags.DEFINE_integer("host_threads", None, "numba threads for hos
 ORACLE_THRESHOLD = flags.DEFINE_float("oracle_threshold", None, "Oracle mode: replace every "
                                       "layer's contribution threshold (0 = every neuron active).")
 
-THRESHOLD_SCALE = flags.DEFINE_float("threshold_scale", 1.0, "Oracle mode: multiply every "
-                                     "layer's contribution threshold (sparsity-perplexity curves).")
+THRESHOLD_SCALE = flags.DEFINE_float("threshold_scale", 1.0, "Oracle mode and a bundle's "
+                                     "predictor mode on the host engine / low-bit predictor: "
+                                     "multiply every layer's contribution threshold "
+                                     "(sparsity-perplexity curves).")
 CUT_OFFSET = flags.DEFINE_float("cut_offset", 0.0, "Predictor mode, MLP predictors: add to "
                                 "every logit cut (> 0 skips more neurons).")
 PREDICTOR_KIND = flags.DEFINE_enum("predictor_kind", None, ["auto", "mlp", "lowbit"],
@@ -176,9 +178,9 @@ def check(cfg: Any = None, model: str | None = None) -> None:
                         f"down projections are {', '.join(sorted(types))}: use "
                         "--gate_down=q8_0, or drop --gate_down.")
   dot = pick(HOST_DOT, "host_dot")
-  if dot is not None and mode in sparse_modes.BUNDLE_MODES:
-    raise ConfigError("--host_dot is for runs on host weights of a GGUF; --sparse=oracle and "
-                      "predictor run a bundle's f32 rows (drop --host_dot).")
+  if dot is not None and mode == sparse_modes.ORACLE:
+    raise ConfigError("--host_dot is for runs on host weights; --sparse=oracle runs a bundle's "
+                      "f32 rows (drop --host_dot).")
   if dot is not None and pick(HOST_WEIGHTS, "host_weights") == "off":
     raise ConfigError(f"--host_dot={dot} sets how host weights multiply, but --host_weights=off "
                       "keeps the weights in XLA; drop --host_dot or use --host_weights=gguf.")
@@ -225,14 +227,25 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
         gate_rule=mode if host_mode else None)
     return
   sparse_modes.check(mode, bundle=model.sparse is not None)
+  from pijax.errors import ConfigError
   if host_weights not in ("auto", "off"):
-    from pijax.errors import ConfigError
-    raise ConfigError(f"--host_weights={host_weights} is for runs of a GGUF; a bundle's "
-                      f"--sparse modes use f32 rows (use --host_weights=off).")
-  if pick(HOST_DOT, "host_dot") is not None:
-    from pijax.errors import ConfigError
-    raise ConfigError("--host_dot is for runs on host weights of a GGUF; a bundle's --sparse "
-                      "modes use f32 rows (drop --host_dot).")
+    raise ConfigError(f"--host_weights={host_weights} is for runs of a GGUF; a bundle runs on "
+                      "its source GGUF's blocks by itself where it can (drop --host_weights).")
+  from pijax.backends import host
+  host_dot = pick(HOST_DOT, "host_dot")
+  if (hot_ratio is None and budget is None and host_weights == "auto"
+      and host.bundle_runs_on_host(model, mode) and kind == "auto"
+      and not pick(OVERLAP, "overlap")):
+    # No accelerator and no placement asked: the host engine over the source's blocks.
+    sys.stderr.write(f"pijax: CPU backend, the bundle runs on the host engine over its source "
+                     f"GGUF's blocks{' (the contribution rule at its thresholds)' if mode != 'off' else ''}"
+                     "; pass --hot_ratio or --device_budget_gb for the hybrid backend.\n")
+    model.configure_sparse(mode, host_threads=threads, host_dot=host_dot,
+                           threshold_scale=THRESHOLD_SCALE.value)
+    return
+  if host_dot is not None:
+    raise ConfigError("--host_dot is for runs on host weights; this bundle run uses its f32 "
+                      "rows (drop --host_dot).")
   if (mode != "off" and model.sparse is not None and hot_ratio is None and budget is None
       and jax.default_backend() == "cpu"):
     # No accelerator: "device" and host are the same CPU and memory, and the host path is the

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import pijax
+from pijax import bundle_load
 from pijax.formats import bundle as bundle_lib
 from pijax.errors import BundleError
 from pijax.profile import Profile, layer_active
@@ -34,6 +35,13 @@ def test_manifest(converted, smollm2, smollm2_path):
       assert key in layer
   assert on_disk["device"]["device_bytes"] <= on_disk["device"]["budget_bytes"] == int(0.4e9)
   assert not [p for p in os.listdir(pathlib.Path(opts.out).parent) if ".tmp-" in p]
+  # The rule a CPU run uses (host engine, contribution at the thresholds), on the test split
+  # (1 chunk of 512 here) against the f32 model's true sets: int8 products move few neurons.
+  rule = on_disk["host_rule"]
+  assert rule["rule"] == "contribution" and rule["split"] == "test" and rule["tokens"] == 512
+  assert rule["recall"] >= 0.9 and rule["precision"] >= 0.9
+  assert abs(rule["predicted_sparsity"] - rule["true_sparsity"]) < 0.05
+  assert len(rule["layers"]) == smollm2.config.n_layers
 
 
 def test_thresholds_hit_target_sparsity(converted, smollm2):
@@ -71,8 +79,8 @@ def test_bundle_roundtrip_and_permutation_invariance(converted, smollm2, hf_toke
   assert model.sparse.hot_counts == [layer["hot_count"] for layer in manifest["layers"]]
   for name in ("layers_0", "layers_29"):
     for w in ("gate", "up", "down"):
-      np.testing.assert_array_equal(model.sparse.ffn[name][w], expected[name][w])
-  np.testing.assert_array_equal(model.sparse.ffn["layers_7"]["down"][11],
+      np.testing.assert_array_equal(bundle_load.rows(model)[name][w], expected[name][w])
+  np.testing.assert_array_equal(bundle_load.rows(model)["layers_7"]["down"][11],
                                 np.asarray(smollm2.params["layers_7"]["ffn"]["down"]["kernel"])
                                 [perm[7, 11]])
   # pijax.load(bundle): the permuted model's logits equal the original's.
@@ -287,7 +295,7 @@ def test_convert_builds_the_predictor_the_runtime_uses(tmp_path, shared_dir, mon
     assert sparse.lowbit is None and len(sparse.predictors) == model.config.n_layers
     return
   assert not sparse.predictors and manifest["totals"]["mean_recall"] is None
-  for name, rows in sparse.ffn.items():
+  for name, rows in bundle_load.rows(bundled).items():
     want = predictor_lib.lowbit_params(rows["gate"], rows["up"])
     for key, value in want.items():
       np.testing.assert_array_equal(np.asarray(sparse.lowbit[name][key]), value)
@@ -444,6 +452,6 @@ def test_bfloat16_load_of_a_bundle_gathers_f32_rows(converted, smollm2):
   model = pijax.load(opts.out, dtype="bfloat16", max_seq_len=64)
   perm = model.sparse.perm
   want = bundle_lib.permute_ffn(smollm2.params, smollm2.config.n_layers, perm)
-  got = model.sparse.ffn["layers_12"]["down"]
+  got = bundle_load.rows(model)["layers_12"]["down"]
   assert got.dtype == np.float32
   np.testing.assert_array_equal(got, want["layers_12"]["down"])

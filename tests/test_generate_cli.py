@@ -184,7 +184,7 @@ def test_generate_sparse_predictor_cli(converted):
               "--max_new_tokens=12")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "Paris" in proc.stdout
-  assert "every FFN neuron on the host (--hot_ratio=0)" in proc.stderr
+  assert "the bundle runs on the host engine over its source GGUF" in proc.stderr
   last = proc.stderr.strip().splitlines()[-1]
   sparsity = float(last.split("FFN sparsity:")[1].split("%")[0])
   assert 30.0 <= sparsity <= 70.0, last

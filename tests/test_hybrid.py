@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import pijax
+from pijax import bundle_load
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +29,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("hot_ratio", [0.0, 0.3, 1.0])
 def test_oracle_threshold_zero_equals_dense(bundle_model, prompt_ids, hot_ratio):
   """Every neuron active: the device/host split and merge reproduce the dense logits."""
-  bundle_model.configure_sparse("off")
+  bundle_model.configure_host_weights("off")  # f32 XLA dense
   dense = bundle_model.prompt_logits(prompt_ids)
   dense_gen = bundle_model.generate(prompt_ids, max_new_tokens=6).token_ids
   bundle_model.configure_sparse("oracle", hot_ratio=hot_ratio, oracle_threshold=0.0)
@@ -39,7 +40,7 @@ def test_oracle_threshold_zero_equals_dense(bundle_model, prompt_ids, hot_ratio)
   result = bundle_model.generate(prompt_ids, max_new_tokens=6)
   assert result.token_ids == dense_gen  # Decode path too (one callback per layer).
   assert result.stats.ffn_sparsity == 0.0
-  bundle_model.configure_sparse("off")
+  bundle_model.configure_host_weights("off")  # f32 XLA dense
 
 
 def _masked_dense_oracle(hf_model, masks, perm, ids):
@@ -85,7 +86,7 @@ def test_oracle_equals_dense_with_same_neurons_zeroed(bundle_model, prompt_ids, 
   run = jax.jit(lambda p, t: hybrid.forward_with_masks(p, t, config=bundle_model.config,
                                                        sparse=bundle_model.backend.spec))
   logits, masks = run(bundle_model.backend.params, jnp.asarray([prompt_ids], jnp.int32))
-  bundle_model.configure_sparse("off")
+  bundle_model.configure_host_weights("off")  # f32 XLA dense
   logits, masks = np.asarray(logits[0]), np.asarray(masks[:, 0])
   assert 0.3 < 1.0 - masks.mean() < 0.7  # Target sparsity 0.5 on calibration text.
   ref = _masked_dense_oracle(hf_model, masks, bundle_model.sparse.perm, prompt_ids)
@@ -100,7 +101,7 @@ def test_predictor_mode_generates(bundle_model):
   assert 0.0 < result.stats.ffn_sparsity < 1.0
   assert bundle_model.compile_count("decode") == 1
   assert result.text.strip()
-  bundle_model.configure_sparse("off")
+  bundle_model.configure_host_weights("off")  # f32 XLA dense
 
 
 def test_sparse_mode_needs_a_bundle(smollm2):
@@ -127,7 +128,7 @@ def test_lowbit_predictor_masks_and_logits(bundle_model, prompt_ids, hf_model, h
   run = jax.jit(lambda p, t: hybrid.forward_with_masks(p, t, config=bundle_model.config,
                                                        sparse=bundle_model.backend.spec))
   logits, masks = run(bundle_model.backend.params, jnp.asarray([prompt_ids], jnp.int32))
-  bundle_model.configure_sparse("off")
+  bundle_model.configure_host_weights("off")  # f32 XLA dense
   logits, masks = np.asarray(logits[0]), np.asarray(masks[:, 0])
   assert 0.3 < 1.0 - masks.mean() < 0.7
   ref = _masked_dense_oracle(hf_model, masks, bundle_model.sparse.perm, prompt_ids)
@@ -139,7 +140,7 @@ def test_lowbit_predictor_masks_and_logits(bundle_model, prompt_ids, hf_model, h
   bundle_model.configure_sparse("predictor", hot_ratio=hot_ratio, predictor_kind="lowbit",
                                 host_predict=False)
   spec, hparams = bundle_model.backend.spec, bundle_model.backend.params
-  bundle_model.configure_sparse("off")
+  bundle_model.configure_host_weights("off")  # f32 XLA dense
   t = len(prompt_ids)
   _, state = jax.jit(lambda p, ids: model_lib.Transformer(cfg, t, spec).apply(
       {"params": p}, ids, jnp.zeros((), jnp.int32), model_lib.init_cache(cfg, 1, t), None,
@@ -151,7 +152,7 @@ def test_lowbit_predictor_masks_and_logits(bundle_model, prompt_ids, hf_model, h
     x = inputs[layer].astype(np.float64)
     h = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps)
     h = h * np.asarray(p["ffn_norm"]["scale"], np.float64)
-    rows = bundle_model.sparse.ffn[f"layers_{layer}"]
+    rows = bundle_load.rows(bundle_model)[f"layers_{layer}"]
     params = predictor_lib.lowbit_params(np.asarray(rows["gate"]), np.asarray(rows["up"]))
     est = predictor_lib.lowbit_contribution_reference(params, h, cfg.ffn_family)
     cut = float(bundle_model.sparse.thresholds[layer])
@@ -164,7 +165,7 @@ def test_overlapped_host_part_equals_serial(bundle_model, prompt_ids):
   """The overlapped variant (host part in a worker thread between two callbacks) computes the
   same function as the serial one: threshold 0 gives the dense logits, and the predictor run
   gives the serial run's logits bit for bit (same kernels, same order of sums)."""
-  bundle_model.configure_sparse("off")
+  bundle_model.configure_host_weights("off")  # f32 XLA dense
   dense = bundle_model.prompt_logits(prompt_ids)
   bundle_model.configure_sparse("oracle", hot_ratio=0.3, oracle_threshold=0.0, overlap=True)
   assert bundle_model.backend.spec.overlap
@@ -176,7 +177,7 @@ def test_overlapped_host_part_equals_serial(bundle_model, prompt_ids):
     logits = bundle_model.prompt_logits(prompt_ids)
     result = bundle_model.generate(prompt_ids, max_new_tokens=8)
     runs[overlap] = (logits, result.token_ids, result.stats.ffn_sparsity)
-  bundle_model.configure_sparse("off")
+  bundle_model.configure_host_weights("off")  # f32 XLA dense
   np.testing.assert_array_equal(runs[True][0], runs[False][0])
   assert runs[True][1] == runs[False][1]
   assert runs[True][2] == runs[False][2] > 0.2
@@ -193,14 +194,14 @@ def test_predictor_perplexity_within_5_percent_at_30_percent_sparsity(bundle_mod
   with open(path, encoding="utf-8") as f:
     text = f.read()
   quiet = lambda s: None  # noqa: E731
-  bundle_model.configure_sparse("off")
+  bundle_model.configure_host_weights("off")  # f32 XLA dense
   dense = ppl_lib.perplexity(bundle_model, text, n_ctx=512, chunks=20, log=quiet)
   dense_text = bundle_model.generate("The capital of France is", max_new_tokens=12).text
   bundle_model.configure_sparse("predictor", hot_ratio=0.3)
   assert bundle_model.backend.spec.predictor_kind == "lowbit"
   sparse = ppl_lib.perplexity(bundle_model, text, n_ctx=512, chunks=20, log=quiet)
   sparse_text = bundle_model.generate("The capital of France is", max_new_tokens=12).text
-  bundle_model.configure_sparse("off")
+  bundle_model.configure_host_weights("off")  # f32 XLA dense
   assert sparse.ffn_sparsity >= 0.30
   assert sparse.ppl <= 1.05 * dense.ppl
   assert "Paris" in dense_text and "Paris" in sparse_text
@@ -240,7 +241,7 @@ def test_host_predicted_cold_part(bundle_model, prompt_ids, hot_ratio):
     result = bundle_model.generate(prompt_ids, max_new_tokens=8)
     assert bundle_model.compile_count("decode") == 1
     runs[host_predict] = (logits, float(1.0 - np.mean(active)), result)
-  bundle_model.configure_sparse("off")
+  bundle_model.configure_host_weights("off")  # f32 XLA dense
   (l0, s0, r0), (l1, s1, r1) = runs[False], runs[True]
   assert abs(s0 - s1) < 0.005 and 0.3 < s1 < 0.7
   assert (l0.argmax(-1) == l1.argmax(-1)).mean() >= 0.9
@@ -260,4 +261,64 @@ def test_sparse_knobs_are_validated(bundle_model):
       bundle_model.configure_sparse("predictor", **kwargs)
   bundle_model.configure_sparse("predictor", hot_ratio=0.0, overlap=True)  # Implies device ids.
   assert not bundle_model.backend.spec.host_predict and bundle_model.backend.spec.overlap
-  bundle_model.configure_sparse("off")
+  bundle_model.configure_host_weights("off")  # f32 XLA dense
+
+
+def test_bundle_runs_on_the_host_engine(bundle_model, smollm2, prompt_ids):
+  """Issue 32, item 2: on a CPU backend a bundle's --sparse=off and predictor run on the host
+  engine over the source GGUF's own blocks. off equals the plain GGUF's host run bit for bit;
+  predictor is the exact contribution rule at the bundle's thresholds, the same function as
+  the plain GGUF's host engine with those cuts (whose kernel tests/test_host_quant.py checks
+  against the float64 reference decoder), skipping about the calibrated share of down rows;
+  threshold_scale=0 keeps every neuron."""
+  from pijax.backends import host
+  try:
+    bundle_model.configure_sparse("off")
+    assert isinstance(bundle_model.backend, host.HostBackend)
+    assert bundle_model.sparse_mode == "off" and "host" in bundle_model.weights_label
+    off = bundle_model.prompt_logits(prompt_ids)
+    smollm2.configure_host_weights("gguf")
+    np.testing.assert_array_equal(off, smollm2.prompt_logits(prompt_ids))
+
+    bundle_model.configure_sparse("predictor")
+    assert bundle_model.sparse_mode == "predictor"
+    thresholds = [float(t) for t in bundle_model.sparse.thresholds]
+    assert bundle_model.backend.decoder.contribution_cuts == thresholds
+    got, active = bundle_model.prompt_logits(prompt_ids, return_active=True)
+    smollm2.use_backend(host.build(smollm2.config, smollm2.path, "gguf", gate_cuts=True,
+                                   gate_rule="contribution", contribution_cuts=thresholds))
+    np.testing.assert_array_equal(got, smollm2.prompt_logits(prompt_ids))
+    assert 0.3 < 1.0 - float(np.mean(active)) < 0.7
+    result = bundle_model.generate("The capital of France is", max_new_tokens=12)
+    assert "Paris" in result.text and 0.3 < result.stats.ffn_sparsity < 0.7, result
+
+    bundle_model.configure_sparse("predictor", threshold_scale=0.0)  # Every neuron kept.
+    every, active = bundle_model.prompt_logits(prompt_ids, return_active=True)
+    np.testing.assert_allclose(active, 1.0)
+    assert (every.argmax(-1) == off.argmax(-1)).all() and _rel(every, off) <= 1e-3
+    # Placement asked: the hybrid backend over the f32 rows, as before.
+    bundle_model.configure_sparse("predictor", hot_ratio=0.0)
+    assert bundle_model.backend.name == "hybrid"
+  finally:
+    bundle_model.configure_host_weights("off")
+    smollm2.configure_host_weights("off")
+
+
+def test_eval_predictors_reports_the_host_rule(bundle_model):
+  """`pijax.eval_predictors` with auto evaluates what the runtime runs, here the host engine's
+  contribution rule: against the f32 model's true sets on text it was not calibrated on it
+  recalls nearly every active neuron (only int8 products and drift move neurons at the cut)."""
+  import os
+  from pijax import eval_predictors
+  assert eval_predictors.resolve_kind(bundle_model, "auto") == "contribution"
+  path = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "wikitext-2-raw",
+                      "wiki.test.raw")
+  with open(path, encoding="utf-8") as f:
+    text = f.read()[:20000]
+  rows = eval_predictors.evaluate_predictors(bundle_model, text, max_tokens=512, chunk_len=256,
+                                             predictor_kind="contribution", progress=False)
+  recall = np.mean([r["recall"] for r in rows])
+  precision = np.mean([r["precision"] for r in rows])
+  skipped = np.mean([r["predicted_sparsity"] for r in rows])
+  assert recall >= 0.9 and precision >= 0.9 and 0.3 <= skipped <= 0.7, (recall, precision,
+                                                                         skipped)

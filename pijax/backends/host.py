@@ -207,10 +207,14 @@ class HostBackend(base.Backend):
   sampler_compiler_options: dict[str, Any] | None = {"xla_cpu_use_fusion_emitters": False}
   implemented_switches = frozenset(spec.SWITCHES)  # Every family's switches.
 
-  def __init__(self, config: ModelConfig, decoder: decoder_lib.HostDecoder, weights: str):
+  def __init__(self, config: ModelConfig, decoder: decoder_lib.HostDecoder, weights: str,
+               bundle_mode: str | None = None):
     super().__init__(config)
     self.decoder = decoder
     self.weights = weights
+    # A bundle's --sparse mode when the backend runs one (`for_bundle`): the stats line says
+    # "predictor", the rule in force is the decoder's.
+    self.bundle_mode = bundle_mode
     self._caches: dict[int, decoder_lib.HostKVCache] = {}
 
   @property
@@ -222,6 +226,8 @@ class HostBackend(base.Backend):
 
   @property
   def mode(self) -> str:
+    if self.bundle_mode is not None:
+      return self.bundle_mode
     if self.decoder.gate_cuts is None:
       return "off"
     return "gate" if self.decoder.contribution_cuts is None else "contribution"
@@ -357,7 +363,8 @@ def choose_weights(weights: str, *, path: str, dtype: Any, is_bundle: bool) -> s
 def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
           calibration_chunks=None, gate_sparsity: float = 0.5,
           dot: str = qmatmul.DOT_INT8, gate_down: str | None = None,
-          gate_rule: str = GATE_RULE_GATE) -> HostBackend:
+          gate_rule: str = GATE_RULE_GATE, contribution_cuts=None,
+          bundle_mode: str | None = None) -> HostBackend:
   """A HostBackend for a GGUF, its numba kernels loaded (compiled on first use) before returning.
 
   Args:
@@ -370,6 +377,9 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
       where the down projections are Q4_1, else q8_0; `HostDecoder.enable_gated`).
     gate_rule: "gate" (the cuts are on |act_gate(g)|) or "contribution" (gate cuts 0, the
       calibrated cuts on |act(g, u)|: every up row read, down rows skipped).
+    contribution_cuts: float[L] cuts on |act(g, u)| given, not calibrated (a bundle's
+      thresholds, `for_bundle`); with gate_cuts, in place of calibration_chunks.
+    bundle_mode: the bundle's --sparse mode this backend runs (`HostBackend.mode`).
 
   Raises:
     ConfigError, GGUFError: see `build_decoder`; UnsupportedError for a family it cannot run.
@@ -387,7 +397,9 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
     if gate_cuts:
       cuts = [0.0] * dec.n_layers
       contribution = gate_rule == GATE_RULE_CONTRIBUTION
-      if calibration_chunks is not None:
+      if contribution_cuts is not None:
+        cuts = [float(c) for c in contribution_cuts]
+      elif calibration_chunks is not None:
         cuts = dec.calibrate_gate_cuts(calibration_chunks, gate_sparsity, contribution)
       if contribution:
         dec.enable_gated([0.0] * dec.n_layers, down_format=gate_down, contribution_cuts=cuts)
@@ -396,7 +408,7 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
     heap.release_free_heap()
   except host_ops.HostOpError as err:
     raise ConfigError(f"--host_weights={weights}: {err}") from None
-  return HostBackend(config, dec, weights)
+  return HostBackend(config, dec, weights, bundle_mode)
 
 
 def set_threads(threads: int) -> None:
@@ -507,3 +519,52 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
                calibration_chunks=chunks, gate_sparsity=gate_sparsity,
                dot=qmatmul.DOT_INT8 if dot is None else dot, gate_down=gate_down,
                gate_rule=gate_rule)
+
+
+# Families whose bundle runs `--sparse=predictor` on the host engine with the contribution rule
+# (no exact zeros: on <= 5-bit rows a separate predictor reads about as many bytes as it saves,
+# BUILD_NOTES "Bundles on the host engine"). ReLU families keep their trained MLP predictors.
+CONTRIBUTION_FAMILIES = ("swiglu",)
+
+
+def bundle_runs_on_host(model, mode: str) -> bool:
+  """Whether bundle `model` (`pijax.engine.Model` with `sparse`) runs `mode` ("off" or
+  "predictor") on the host engine: a CPU backend, float32, a source GGUF whose matrices a host
+  kernel reads, and for "predictor" a family of CONTRIBUTION_FAMILIES."""
+  if model.sparse is None or model.file_stamp is None or mode not in ("off", "predictor"):
+    return False
+  if mode == "predictor" and model.config.ffn_family not in CONTRIBUTION_FAMILIES:
+    return False
+  return (jax.default_backend() == "cpu" and np.dtype(model.dtype) == np.float32
+          and file_is_block_quantized(model.file_stamp[0]))
+
+
+def for_bundle(model, mode: str, *, threshold_scale: float = 1.0, dot: str | None = None,
+               gate_down: str | None = None) -> HostBackend:
+  """A bundle run on the host engine over its source GGUF's own blocks (no f32 copy of the
+  rows): "off" dense; "predictor" the exact contribution rule, a neuron's down row read only
+  if |act(gate . h, up . h)| >= threshold_scale x its layer's threshold t_l (the thresholds
+  `pijax.convert` calibrated on the calibration text, the bundle's `thresholds`). Every neuron
+  is on the host, so the neuron order is the file's: the rule is per layer, not per neuron.
+
+  Raises:
+    ConfigError: `bundle_runs_on_host` is false, or a bad threshold_scale / dot / gate_down.
+  """
+  if not bundle_runs_on_host(model, mode):
+    raise ConfigError(f"--sparse={mode} on this bundle does not run on the host engine (it "
+                      "needs a CPU backend, float32 and a block-quantized SwiGLU source).")
+  if not (np.isfinite(threshold_scale) and threshold_scale >= 0):
+    raise ConfigError(f"--threshold_scale={threshold_scale} must be a finite number >= 0.")
+  if dot is not None and dot not in qmatmul.DOTS:
+    raise ConfigError(f"--host_dot={dot!r} must be one of {', '.join(qmatmul.DOTS)}.")
+  if gate_down is not None and gate_down not in gated_ffn.DOWN_KINDS:
+    raise ConfigError(f"--gate_down={gate_down} must be one of "
+                      f"{', '.join(gated_ffn.DOWN_KINDS)}.")
+  from pijax import load_checks
+  load_checks.check_unchanged(*model.file_stamp)
+  sparse = mode == "predictor"
+  cuts = np.asarray(model.sparse.thresholds, np.float64) * threshold_scale
+  return build(model.config, model.file_stamp[0], WEIGHTS_GGUF, gate_cuts=sparse or None,
+               dot=qmatmul.DOT_INT8 if dot is None else dot, gate_down=gate_down,
+               gate_rule=GATE_RULE_CONTRIBUTION, contribution_cuts=cuts if sparse else None,
+               bundle_mode=mode)

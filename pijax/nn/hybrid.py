@@ -322,9 +322,10 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
     use_pallas = jax.default_backend() == "gpu"
   dtype = model.dtype
   params = dict(model.params)
+  bundle_rows = model.sparse.ffn  # Built with model.params (`pijax.bundle_load.attach`).
   host_layers = []
   for i in range(cfg.n_layers):
-    rows = model.sparse.ffn[f"layers_{i}"]
+    rows = bundle_rows[f"layers_{i}"]
     n_hot = int(hot[i])
     ffn: dict[str, Any] = {}
     if n_hot:
