@@ -174,7 +174,8 @@ def _phase_decoder(model):
 
 def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
         interleave_dense: bool = False, profile_layers: bool = False) -> list[dict[str, Any]]:
-  """The bench rows (dicts). interleave_dense: with the host gate-first sparse FFN on, tg also
+  """The bench rows (dicts). interleave_dense: with the host gate-first sparse FFN on (--sparse=
+  gate|contribution, or a bundle's predictor on the host engine), tg also
   times the same model's dense FFN in alternate repetitions (a row with mode "off", and
   "vs_dense" on the sparse row: the ratio of mean tokens/s). profile_layers: each tg row gets
   "layer_us", the mean microseconds per layer and decoded token of each phase of the host
@@ -187,10 +188,11 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
   dec_phases = _phase_decoder(model) if profile_layers else None
   switch = None
   if interleave_dense:
-    if model.sparse_mode not in ("gate", "contribution") or not n_gen:
-      raise ConfigError("--interleave_dense times the dense FFN beside --sparse=gate|contribution "
-                        "decode: add --sparse=gate or contribution and -n > 0, or drop it.")
-    dec = model.backend.decoder
+    dec = getattr(model.backend, "decoder", None)  # Host engines only.
+    if dec is None or dec.gate_cuts is None or not n_gen:
+      raise ConfigError("--interleave_dense times the dense FFN beside a sparse decode on the "
+                        "host engine: add --sparse=gate or contribution (a bundle: predictor) "
+                        "and -n > 0, or drop it.")
     cuts, down, ccuts = list(dec.gate_cuts), dec.down_format, dec.contribution_cuts
     switch = lambda sparse: dec.enable_gated(cuts, down, ccuts) if sparse else \
         dec.enable_gated(None)  # noqa: E731

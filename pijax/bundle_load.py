@@ -55,7 +55,7 @@ def backend_for(model: Any, mode: str, *, hot_ratio: float | None = None,
                 host_dot: str | None = None, host_threads: int | None = None, **options):
   """The backend of bundle `model` in `mode` ("off" | "oracle" | "predictor"): the host engine
   over the source GGUF's blocks (`pijax.backends.host.for_bundle`) when every neuron is on the
-  host (no --hot_ratio / --device_budget_gb above 0, no GPU) and the mode runs there; else the
+  host (hot_ratio None or 0, no device_budget_gb, no GPU) and the mode runs there; else the
   hybrid backend (`pijax.backends.hybrid.for_model`, options passed on).
 
   Raises:
@@ -69,6 +69,9 @@ def backend_for(model: Any, mode: str, *, hot_ratio: float | None = None,
   on_host = (all_host and predictor_kind == "auto" and options.get("overlap") in (None, False)
              and host.bundle_runs_on_host(model, mode))
   if on_host:
+    cut_offset = options.get("cut_offset")  # Read by MLP predictors only, but never a NaN.
+    if cut_offset is not None and not cut_offset == cut_offset:
+      raise ConfigError(f"--cut_offset={cut_offset} must be a number (0 = the calibrated cuts).")
     return host.for_bundle(model, mode, threshold_scale=1.0 if threshold_scale is None
                            else threshold_scale, dot=host_dot)
   if host_dot is not None:

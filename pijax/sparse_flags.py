@@ -233,13 +233,13 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
                       "its source GGUF's blocks by itself where it can (drop --host_weights).")
   from pijax.backends import host
   host_dot = pick(HOST_DOT, "host_dot")
-  if (hot_ratio is None and budget is None and host_weights == "auto"
+  if (not hot_ratio and budget is None and host_weights == "auto"
       and host.bundle_runs_on_host(model, mode) and kind == "auto"
       and not pick(OVERLAP, "overlap")):
     # No accelerator and no placement asked: the host engine over the source's blocks.
     sys.stderr.write(f"pijax: CPU backend, the bundle runs on the host engine over its source "
                      f"GGUF's blocks{' (the contribution rule at its thresholds)' if mode != 'off' else ''}"
-                     "; pass --hot_ratio or --device_budget_gb for the hybrid backend.\n")
+                     "; pass --hot_ratio > 0 or --device_budget_gb for the hybrid backend.\n")
     model.configure_sparse(mode, host_threads=threads, host_dot=host_dot,
                            threshold_scale=THRESHOLD_SCALE.value)
     return

@@ -291,13 +291,24 @@ def test_bundle_runs_on_the_host_engine(bundle_model, smollm2, prompt_ids):
     assert 0.3 < 1.0 - float(np.mean(active)) < 0.7
     result = bundle_model.generate("The capital of France is", max_new_tokens=12)
     assert "Paris" in result.text and 0.3 < result.stats.ffn_sparsity < 0.7, result
+    from pijax import bench  # `pijax.bench --interleave_dense` times it beside dense.
+    sparse_row, dense_row = bench.run(bundle_model, n_prompt=0, n_gen=4, reps=1, threads=1,
+                                      interleave_dense=True)
+    assert (sparse_row["mode"], dense_row["mode"]) == ("predictor", "off")
+    assert bundle_model.backend.decoder.contribution_cuts == thresholds  # Restored after.
 
-    bundle_model.configure_sparse("predictor", threshold_scale=0.0)  # Every neuron kept.
+    # Every neuron kept (threshold_scale 0): dense, to f32 rounding with f32 products (int8
+    # ones round the neuron-major down rows' products apart from the dense matmul's).
+    bundle_model.configure_sparse("off", host_dot="f32")
+    off32 = bundle_model.prompt_logits(prompt_ids)
+    bundle_model.configure_sparse("predictor", threshold_scale=0.0, host_dot="f32")
     every, active = bundle_model.prompt_logits(prompt_ids, return_active=True)
     np.testing.assert_allclose(active, 1.0)
-    assert (every.argmax(-1) == off.argmax(-1)).all() and _rel(every, off) <= 1e-3
-    # Placement asked: the hybrid backend over the f32 rows, as before.
+    assert _rel(every, off32) <= 1e-4
+    # Hot neurons asked for: the hybrid backend over the f32 rows; hot_ratio 0 is the host's.
     bundle_model.configure_sparse("predictor", hot_ratio=0.0)
+    assert bundle_model.backend.name == "host"
+    bundle_model.configure_sparse("predictor", hot_ratio=0.3)
     assert bundle_model.backend.name == "hybrid"
   finally:
     bundle_model.configure_host_weights("off")
