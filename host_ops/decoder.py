@@ -38,14 +38,18 @@ from host_ops import common
 from host_ops import attention as attn_lib
 from host_ops import gated_ffn
 from host_ops import pool as pool_lib
+from host_ops import predicted_ffn
+from host_ops import qblocks
 from host_ops import qdot
 from host_ops import qmatmul
 from host_ops import qpack
 from host_ops.common import HostOpError
 # PHASES and RECORD_* are part of the decoder's API (`phase_cycles`, `calibrate_gate_cuts`).
 from host_ops.layers import HostLayer  # noqa: F401 (API: the decoder is built from these)
-from host_ops.layers import (NO_DOWN_T, NO_PHASES, NO_RECORD, NO_UP, PHASES,
+from host_ops.layers import (NO_DOWN_T, NO_PHASES, NO_PREDICTOR, NO_RECORD, NO_UP, PHASES,
                              RECORD_CONTRIBUTION, RECORD_GATE, RECORD_NONE, ROLES, layers_kernel)
+# The oracle lives in its own module; `decoder.decoder_reference` stays its public name.
+from host_ops.decoder_reference import decoder_reference  # noqa: F401
 
 
 def _lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
@@ -146,6 +150,18 @@ class HostDecoder:
     self._up = None  # Its up rows: stacked split Q4_1 / Q8_0 arrays, or records (ReLU families).
     self.last_active = np.ones(len(layers), np.float32)  # Active FFN fraction, last forward.
     self.last_passed = np.ones(len(layers), np.float32)  # Gate-passed fraction (up rows read).
+    self.last_nonzero = np.ones(len(layers), np.float32)  # Down rows read (nonzero activations).
+    # The predicted FFN (`enable_predicted`): per-layer thresholds when on, the predictors'
+    # pooled roles [(fc1, fc2)] and their pool, the gathered gate and up rows (raw file blocks
+    # [L, F, row bytes] and their qblocks code), and layers_kernel's argument.
+    self.thresholds = None
+    self.predictor_roles = None
+    self._pred_pool = None
+    self._pred_rows = None
+    self._pred = NO_PREDICTOR
+    # Sums over predicted forward passes of the mean fractions of gate rows (predicted), up
+    # rows and down rows read, for `ffn_bytes_per_token`.
+    self.pred_read_sums = np.zeros(3)
     # Sums over gate-first forward passes of mean(last_active), mean(last_passed): the up rows
     # read per computed neuron, for the bytes per token (`ffn_bytes_per_token`).
     self.read_sums = np.zeros(2)
@@ -182,6 +198,8 @@ class HostDecoder:
     if value != self._dot:
       self._dot = value
       self._build_pool()
+      if self.predictor_roles is not None:
+        self._build_predictor_pool(self.predictor_roles)
 
   def _check_layers(self, d: int) -> None:
     n_heads, n_kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
@@ -274,10 +292,12 @@ class HostDecoder:
             + self.final_norm.nbytes + self.sparse_nbytes())
 
   def sparse_nbytes(self) -> int:
-    """Bytes of the gate-first FFN's own copies (`enable_gated`): the neuron-major down rows and
-    the up rows (split, or records for ReLU families); 0 before they are built. Held while the
-    sparse FFN is off."""
+    """Bytes of the sparse FFNs' own copies (`enable_gated`, `enable_predicted`): the
+    neuron-major down rows, the up rows (split, or records for ReLU families), the predicted
+    FFN's predictor pool and gate and up rows; 0 before they are built. Held while off."""
     held = 0 if self._stacked_down_t is None else sum(a.nbytes for a in self._stacked_down_t)
+    if self._pred_pool is not None:
+      held += self._pred_pool.nbytes + self._pred_rows[0].nbytes + self._pred_rows[1].nbytes
     if self._up is not None:
       first = self._up[0]
       if first.base is not None and first.strides[1] != first.shape[2] * first.itemsize:
@@ -325,17 +345,14 @@ class HostDecoder:
     ReLU families as one record per row, `_build_up_records`). They stay held when the sparse
     FFN is turned off (the bench toggles it); `nbytes` counts them (`sparse_nbytes`).
 
+    Up rows of other kinds (Q4_0, K-quants, ...: their file blocks, `predicted_ffn.gated_up`)
+    for ReLU families without contribution cuts. Turning it on turns the predicted FFN off.
+
     Raises:
       HostOpError: cuts of the wrong count or value, an unknown format, a GeGLU model, up rows
-        that are not Q4_1 or Q8_0.
+        of mixed kinds, or not Q4_1 / Q8_0 for SwiGLU or with contribution cuts.
     """
-    if down_format is None:  # The file's own blocks where it can (exact, fewest bytes read).
-      down_format = gated_ffn.DOWN_FILE if all(
-          layer.down.kind == qmatmul.Q4_1 and layer.down.shape[0] % qmatmul.BLOCK == 0
-          for layer in self.layers) else qmatmul.Q8_0
-    if down_format not in gated_ffn.DOWN_KINDS:
-      raise HostOpError(f"down_format must be one of {', '.join(gated_ffn.DOWN_KINDS)}, got "
-                        f"{down_format!r}")
+    down_format = self._down_format(down_format)
     if cuts is None:
       if contribution_cuts is not None:
         raise HostOpError("contribution_cuts need cuts (the gate cuts; zeros for the "
@@ -346,38 +363,177 @@ class HostDecoder:
       return
     if self.family == "geglu":
       raise HostOpError("the gate-first sparse FFN supports swiglu, reglu and drelu, not geglu")
-    up_kinds = {layer.up.kind for layer in self.layers}
-    if len(up_kinds) != 1 or next(iter(up_kinds)) not in (qmatmul.Q4_1, qmatmul.Q8_0):
-      raise HostOpError(f"the gate-first sparse FFN reads Q4_1 or Q8_0 up rows of one format "
-                        f"in every layer; this model's are {', '.join(sorted(up_kinds))}")
+    up_kind = self._up_kind()
+    split = up_kind in (qmatmul.Q4_1, qmatmul.Q8_0)
     cuts = self._cut_list("cuts", cuts)
     ccuts = [0.0] * self.n_layers if contribution_cuts is None else \
         self._cut_list("contribution_cuts", contribution_cuts)
-    if self._down_t is None or self._down_t[0].kind != down_format:
-      self.enable_gated(None)  # Off and the old rows freed while the new ones are built.
-      self._down_t = self._stacked_down_t = None
-      quantize = qmatmul.quantize_q8_0
-      down_t, stacked_t = [], None
-      for i, layer in enumerate(self.layers):  # One layer's f32 copy at a time.
-        if down_format == gated_ffn.DOWN_FILE:
-          w = gated_ffn.FileDownRows.from_down(layer.down.parts[0].qmatrix())
-        else:
-          w = quantize(np.ascontiguousarray(layer.down.dequantize().T))
-        if i == 0:
-          stacked_t = tuple(common.empty_aligned((self.n_layers,) + a.shape, a.dtype)
-                            for a in w.arrays)
-        for stacked, a in zip(stacked_t, w.arrays):
-          stacked[i] = a
-        views = tuple(a[i] for a in stacked_t)
-        down_t.append(gated_ffn.FileDownRows(*views) if down_format == gated_ffn.DOWN_FILE
-                      else qmatmul.QMatrix(down_format, views))
-      self._down_t, self._stacked_down_t = down_t, stacked_t
-    if self._up is None:
-      self._up = self._build_up()
+    if not split and (self.code not in predicted_ffn.RELU_CODES or any(ccuts)):
+      raise HostOpError(f"the gate-first sparse FFN reads {up_kind} up rows for ReGLU/dReLU "
+                        "without contribution cuts only; SwiGLU and the contribution rule need "
+                        "Q4_1 or Q8_0 up rows")
+    self._ensure_down_rows(down_format)
+    if self._up is None or (len(self._up) == 2 and self._up[0].dtype == np.uint8) == split:
+      self._up = None
+      self._up = self._build_up() if split else self._raw_up()
+    self.enable_predicted(None)
     self.gate_cuts = cuts
     self.contribution_cuts = None if contribution_cuts is None else ccuts
     # What `layers_kernel` reads, once, not per pass: f32[L, 2] (gate cut, contribution cut).
     self._cuts = np.ascontiguousarray(np.stack([cuts, ccuts], axis=1), np.float32)
+
+  def _down_format(self, down_format: str | None) -> str:
+    """down_format checked, None resolved: "file" where every layer's down projection is Q4_1
+    (exact, fewest bytes read), else "q8_0". Raises HostOpError for an unknown one."""
+    if down_format is None:
+      down_format = gated_ffn.DOWN_FILE if all(
+          layer.down.kind == qmatmul.Q4_1 and layer.down.shape[0] % qmatmul.BLOCK == 0
+          for layer in self.layers) else qmatmul.Q8_0
+    if down_format not in gated_ffn.DOWN_KINDS:
+      raise HostOpError(f"down_format must be one of {', '.join(gated_ffn.DOWN_KINDS)}, got "
+                        f"{down_format!r}")
+    return down_format
+
+  def _up_kind(self) -> str:
+    """The up rows' one kind, or HostOpError (mixed kinds, or none a row dot reads)."""
+    kinds = {layer.up.kind for layer in self.layers}
+    if len(kinds) != 1 or next(iter(kinds)) not in qblocks.KIND_CODES:
+      raise HostOpError(f"the sparse FFNs read up rows of one format in every layer; this "
+                        f"model's are {', '.join(sorted(kinds))}")
+    return next(iter(kinds))
+
+  def _ensure_down_rows(self, down_format: str) -> None:
+    """Builds the neuron-major down rows in down_format unless held. The sparse FFNs are turned
+    off first and the old rows freed while the new ones are built, so if building fails they
+    are left off."""
+    if self._down_t is not None and self._down_t[0].kind == down_format:
+      return
+    self.enable_gated(None)
+    self.enable_predicted(None)
+    self._down_t = self._stacked_down_t = None
+    down_t, stacked_t = [], None
+    for i, layer in enumerate(self.layers):  # One layer's f32 copy at a time.
+      if down_format == gated_ffn.DOWN_FILE:
+        w = gated_ffn.FileDownRows.from_down(layer.down.parts[0].qmatrix())
+      else:
+        w = qmatmul.quantize_q8_0(np.ascontiguousarray(layer.down.dequantize().T))
+      if i == 0:
+        stacked_t = tuple(common.empty_aligned((self.n_layers,) + a.shape, a.dtype)
+                          for a in w.arrays)
+      for stacked, a in zip(stacked_t, w.arrays):
+        stacked[i] = a
+      views = tuple(a[i] for a in stacked_t)
+      down_t.append(gated_ffn.FileDownRows(*views) if down_format == gated_ffn.DOWN_FILE
+                    else qmatmul.QMatrix(down_format, views))
+    self._down_t, self._stacked_down_t = down_t, stacked_t
+
+  @property
+  def down_rows(self) -> list | None:
+    """Per layer, the neuron-major down rows the sparse FFNs read (Q8_0 QMatrix or
+    `gated_ffn.FileDownRows`), None before any were built."""
+    return self._down_t
+
+  def _stacked_rows(self, name: str) -> np.ndarray:
+    """u8[L, F, row bytes]: every layer's `name` ("gate" | "up") rows as their file blocks,
+    stacked (64-byte aligned; one layer's copy at a time)."""
+    out = None
+    for i, layer in enumerate(self.layers):
+      rows = pool_lib.file_rows(getattr(layer, name).parts[0])
+      if out is None:
+        out = common.empty_aligned((self.n_layers,) + rows.shape, np.uint8)
+      out[i] = rows.view(np.uint8)
+    return out
+
+  def _raw_up(self) -> tuple[np.ndarray, np.ndarray]:
+    """The gate-first up rows of a kind without split arrays: (rows u8[L, F, row bytes], its
+    qblocks code i64[1]), `layers.layer_gated`'s raw form."""
+    return (self._stacked_rows("up"),
+            np.array([qblocks.KIND_CODES[self._up_kind()]], np.int64))
+
+  def enable_predicted(self, fc1s, fc2s=None, thresholds=None,
+                       down_format: str | None = None) -> None:
+    """Turns on PowerInfer's predicted sparse FFN (`host_ops.predicted_ffn`), or off with
+    fc1s None.
+
+    Per layer l and token: logits = fc2_l @ relu(fc1_l @ x), x the residual entering the FFN
+    block; only neurons with logits >= thresholds[l] read their gate row (g = 0 for the
+    others), then up rows where g > 0 and down rows where the activation is nonzero. The
+    predictor's products run as the decoder's (int8 or f32, its own pool); gate and up rows are
+    gathered from copies of their file blocks (any kind), down rows are `enable_gated`'s
+    (down_format: "q8_0" | "file" | None, as there; shared with the gate-first FFN).
+
+    Args:
+      fc1s: per layer a [r_l, D] QMatrix (any host kind; r_l a multiple of fc2's block).
+      fc2s: per layer a [F, r_l] QMatrix.
+      thresholds: float[L], finite.
+      down_format: see `enable_gated`.
+
+    Memory: the predictors (pooled), the gate and up rows ([L, F, row bytes] each) and the down
+    rows; held while off (`sparse_nbytes`). Turning it on turns the gate-first FFN off.
+
+    Raises:
+      HostOpError: a non-ReLU family, counts or shapes that do not match, a kind without a host
+        kernel, mixed gate/up kinds, a threshold that is not finite.
+    """
+    if fc1s is None:
+      self.thresholds = None
+      self._pred = NO_PREDICTOR
+      self.last_active[:] = 1.0
+      self.last_passed[:] = 1.0
+      self.last_nonzero[:] = 1.0
+      return
+    predicted_ffn.check_relu(self.family)
+    fc1s, fc2s = list(fc1s), list(fc2s)
+    n, d, f = self.n_layers, self.hidden_size, self.intermediate_size
+    try:
+      thresholds = [float(t) for t in thresholds]
+    except TypeError:
+      raise HostOpError(f"enable_predicted needs {n} thresholds, got {thresholds!r}") from None
+    if len(fc1s) != n or len(fc2s) != n or len(thresholds) != n:
+      raise HostOpError(f"enable_predicted needs {n} fc1, fc2 and thresholds (one per layer), "
+                        f"got {len(fc1s)}, {len(fc2s)}, {len(thresholds)}")
+    for i, (fc1, fc2, t) in enumerate(zip(fc1s, fc2s, thresholds)):
+      if fc1.shape[1] != d or fc2.shape != (f, fc1.shape[0]):
+        raise HostOpError(f"layer {i}: predictor fc1 {fc1.shape} / fc2 {fc2.shape}, expected "
+                          f"[r, {d}] / [{f}, r]")
+      if not np.isfinite(np.float32(t)):
+        raise HostOpError(f"layer {i}: threshold {t} is not finite in f32")
+    gate_kinds = {layer.gate.kind for layer in self.layers}
+    if gate_kinds != {self._up_kind()}:
+      raise HostOpError(f"the predicted FFN reads gate and up rows of one kind; this model's "
+                        f"are {', '.join(sorted(gate_kinds))} / {self._up_kind()}")
+    self.enable_predicted(None)
+    self._ensure_down_rows(self._down_format(down_format))
+    self._build_predictor_pool([(a, b) for a, b in zip(fc1s, fc2s)])
+    if self._pred_rows is None:
+      self._pred_rows = (self._stacked_rows("gate"), self._stacked_rows("up"),
+                         np.int64(qblocks.KIND_CODES[self._up_kind()]))
+    self.gate_cuts = self.contribution_cuts = None
+    self.thresholds = thresholds
+    self._pred = (self._pred_pool.pool, self._pred_pool.mats, self._pred_roles,
+                  self._pred_needs, np.asarray(thresholds, np.float32)) + self._pred_rows
+
+  def _build_predictor_pool(self, pairs) -> None:
+    """The predictors [(fc1, fc2)] per layer copied into a WeightPool of their own (packed for
+    int8 products as the decoder's), and their role table for `layers_kernel`."""
+    roles = [m for pair in pairs for m in pair]
+    self._pred_pool = pool_lib.WeightPool(roles, self.dot == qmatmul.DOT_INT8)
+    pooled = self._pred_pool.roles
+    self.predictor_roles = [(pooled[2 * i], pooled[2 * i + 1]) for i in range(self.n_layers)]
+    self._pred_roles = np.stack([r.ids for r in pooled]).reshape(
+        self.n_layers, 2, pool_lib.MAX_PARTS)
+    self._pred_needs = np.asarray([r.needs for r in pooled], np.int64).reshape(
+        self.n_layers, 2, 2)
+    if self.thresholds is not None:  # A dot switch: the kernel's argument follows the pool.
+      self._pred = (self._pred_pool.pool, self._pred_pool.mats, self._pred_roles,
+                    self._pred_needs) + self._pred[4:]
+
+  def predictor_bytes(self) -> int:
+    """GGUF block bytes of every layer's fc1 and fc2 (read by every predicted token); 0 when
+    no predictor was given."""
+    if self.predictor_roles is None:
+      return 0
+    return sum(m.file_bytes() for pair in self.predictor_roles for m in pair)
 
   def _build_up(self):
     """The gate-first up rows: every layer's Q4_1 (qs, d, m) or Q8_0 (q, d) arrays stacked
@@ -475,10 +631,29 @@ class HostDecoder:
     once `enable_gated` built those) and passed_fraction passing the gate (their up rows
     read; ReGLU/dReLU read more up rows than down rows). passed_fraction None: active_fraction
     times the ratio measured over this decoder's gate-first passes so far (`read_sums`), or
-    active_fraction before any."""
+    active_fraction before any.
+
+    Predicted FFN on (`enable_predicted`): active_fraction p is the fraction of neurons
+    predicted (computed: their gate rows read), and
+      bytes = predictor (every fc1, fc2) + sum_l (p gate_l + p_up up_l) + down(p_down),
+    p_up = passed_fraction (None: p times the measured ratio of up rows to gate rows read,
+    `pred_read_sums`), p_down = p times the measured ratio of down rows to gate rows read, and
+    down(q) = (q per_block + fixed) x blocks of the neuron-major down rows (`DOWN_BLOCK_BYTES`).
+    """
     if active_fraction is None:
       return sum(w.file_bytes() for layer in self.layers for w in (layer.gate, layer.up,
                                                                     layer.down))
+    if self.thresholds is not None:
+      gates, passed, nonzero = self.pred_read_sums
+      ratio = (lambda v: v / gates) if gates > 0 else (lambda v: 1.0)
+      if passed_fraction is None:
+        passed_fraction = active_fraction * ratio(passed)
+      per_block, fixed = gated_ffn.DOWN_BLOCK_BYTES[self._down_t[0].kind]
+      blocks = sum(layer.down.shape[0] * layer.down.shape[1] // 32 for layer in self.layers)
+      down_fraction = active_fraction * ratio(nonzero)
+      return int(self.predictor_bytes() + sum(
+          active_fraction * layer.gate.file_bytes() + passed_fraction * layer.up.file_bytes()
+          for layer in self.layers) + (down_fraction * per_block + fixed) * blocks)
     if passed_fraction is None:
       active_sum, passed_sum = self.read_sums
       passed_fraction = active_fraction * (passed_sum / active_sum if active_sum > 0 else 1.0)
@@ -577,19 +752,25 @@ class HostDecoder:
     if self.embedding_scale != 1.0:
       x *= np.float32(self.embedding_scale)
     n_threads = common.ensure_host_threads()
-    if self.gate_cuts is None or record_mode != RECORD_NONE:
-      cuts, up, dt = np.zeros((0, 2), np.float32), NO_UP, NO_DOWN_T
+    recording = record_mode != RECORD_NONE  # Dense, whatever sparse FFN is on.
+    pred = NO_PREDICTOR if recording else self._pred
+    if self.gate_cuts is None or recording:
+      cuts, up = np.zeros((0, 2), np.float32), NO_UP
+      dt = self._stacked_down_t if self.thresholds is not None and not recording else NO_DOWN_T
     else:
       cuts, up, dt = self._cuts, self._up, self._stacked_down_t
     x = layers_kernel(x, slots, positions, self.pool.pool, self.pool.mats, self._roles,
                        self._needs, self._norms, self._extras, cache.k, cache.v, cos, sin,
                        self._rope_of, self.windows, self.rope_adjacent, self.n_heads,
                        self.n_kv_heads, self.head_dim, np.float32(self.attn_scale), self.eps,
-                       self.code, self.dot == qmatmul.DOT_INT8, cuts, up, dt, self.last_active,
-                       self.last_passed, n_threads, NO_PHASES if phases is None else phases,
-                       record, record_mode)
-    if self.gate_cuts is not None and record_mode == RECORD_NONE:
+                       self.code, self.dot == qmatmul.DOT_INT8, cuts, up, dt, pred,
+                       self.last_active, self.last_passed, self.last_nonzero, n_threads,
+                       NO_PHASES if phases is None else phases, record, record_mode)
+    if self.gate_cuts is not None and not recording:
       self.read_sums += (float(self.last_active.mean()), float(self.last_passed.mean()))
+    if self.thresholds is not None and not recording:
+      self.pred_read_sums += (float(self.last_active.mean()), float(self.last_passed.mean()),
+                              float(self.last_nonzero.mean()))
     if rows is not None:
       x = x[np.asarray(rows, np.int64)]
     h = attn_lib.rms_norm(np.ascontiguousarray(x), self.final_norm, self.eps)
@@ -599,91 +780,3 @@ class HostDecoder:
     kinds = sorted({w.kind for layer in self.layers for w in layer.matrices()})
     return (f"HostDecoder({self.n_layers} layers, {'/'.join(kinds)}, head {self.lm_head.kind}, "
             f"{self.nbytes() / 1e6:.1f} MB)")
-
-
-def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
-  """Float64 NumPy reference of `HostDecoder.forward` for one fresh sequence (positions 0..T-1).
-
-  tokens: int[T]. Returns f32[T, V] logits. Dequantizes with `qmatmul.dequantize_reference`;
-  with dec.dot "int8" every product's input is replaced by its quantized value as the kernel
-  of that matrix reads it (`qpack.x_hat_reference`: per 256 values for packed K-quants, per 32
-  else; the head as `qmatmul.matmul_int8_reference`); RoPE and causal grouped-query attention
-  written out from their definitions; with the gate-first FFN on (`enable_gated`), neurons whose
-  gate fails the layer's cut are zeroed and the down projection uses the neuron-major rows
-  (`gated_ffn_reference`).
-  """
-  n, k, hd = dec.n_heads, dec.n_kv_heads, dec.head_dim
-  tokens = np.asarray(tokens).reshape(-1)
-  t = tokens.shape[0]
-  half = dec.rope_dim // 2
-  int8 = dec.dot == qmatmul.DOT_INT8
-
-  def rope(x, layer):  # [T, heads, H]
-    theta, scale, factors = dec.layer_rope[layer]
-    inv_freq = theta ** (-np.arange(half) * 2.0 / dec.rope_dim)
-    if factors:
-      inv_freq = inv_freq / np.asarray(factors, np.float64)
-    ang = np.arange(t)[:, None] / scale * inv_freq  # [T, R/2]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-    x = x.copy()
-    if dec.rope_adjacent:
-      a, c = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
-      x[..., 0:2 * half:2], x[..., 1:2 * half:2] = a * cos - c * sin, a * sin + c * cos
-    else:
-      a, c = x[..., :half].copy(), x[..., half:2 * half].copy()
-      x[..., :half], x[..., half:2 * half] = a * cos - c * sin, a * sin + c * cos
-    return x
-
-  def norm(x, scale):
-    if scale is None:
-      return x
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + dec.eps) * \
-        np.asarray(scale, np.float64)
-
-  def mm(role, x):  # A pooled role: each part's products as its kernel computes them.
-    outs = []
-    for p in role.parts:
-      w = qmatmul.dequantize_reference(p.qmatrix())
-      if int8 and p.kind not in (qmatmul.F16, qmatmul.BF16):
-        xk = qpack.x_hat_reference(p.kind if p.packed else qmatmul.Q4_0, x)
-        outs.append(xk @ w.T)
-      else:
-        outs.append(np.asarray(x, np.float64) @ w.T)
-    return np.concatenate(outs, axis=-1)
-
-  def head(x):
-    if int8:
-      return qmatmul.matmul_int8_reference(dec.lm_head, x.astype(np.float32)).astype(np.float64)
-    return x @ qmatmul.dequantize_reference(dec.lm_head).T
-
-  x = qmatmul.dequantize_reference(dec.embedding)[tokens] * dec.embedding_scale
-  for li, layer in enumerate(dec.layers):
-    qkv = mm(layer.qkv, norm(x, layer.attn_norm))
-    if layer.qkv_bias is not None:
-      qkv = qkv + layer.qkv_bias
-    qkv = qkv.reshape(t, n + 2 * k, hd)
-    q, key, val = norm(qkv[:, :n], layer.q_norm), norm(qkv[:, n:n + k], layer.k_norm), \
-        qkv[:, n + k:]
-    q, key = rope(q, li), rope(key, li)
-    key, val = np.repeat(key, n // k, axis=1), np.repeat(val, n // k, axis=1)  # [T, N, H]
-    scores = np.einsum("tnh,snh->nts", q, key) * dec.attn_scale
-    qpos, kpos = np.arange(t)[:, None], np.arange(t)[None, :]
-    seen_mask = kpos <= qpos
-    if dec.windows[li] > 0:
-      seen_mask &= kpos > qpos - dec.windows[li]
-    scores = np.where(seen_mask, scores, -np.inf)
-    p = np.exp(scores - scores.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    attn = np.einsum("nts,snh->tnh", p, val).reshape(t, n * hd)
-    x = x + norm(mm(layer.attn_out, attn), layer.post_attn_norm)
-    h = norm(x, layer.ffn_norm)
-    if dec.gate_cuts is None:
-      a = common.activation_reference(mm(layer.gate, h), mm(layer.up, h), dec.family)
-      y = mm(layer.down, a)
-    else:
-      y = gated_ffn.gated_ffn_reference(mm(layer.gate, h), h, layer.up.parts[0].qmatrix(),
-                                        dec._down_t[li], cut=dec.gate_cuts[li],
-                                        family=dec.family, dot=dec.dot,
-                                        contribution_cut=float(dec._cuts[li, 1]))[0]
-    x = x + norm(y, layer.post_ffn_norm)
-  return head(norm(x, dec.final_norm)).astype(np.float32)
