@@ -155,8 +155,10 @@ def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases
         for j in range(f):
           ids[r, j] = j
       kind = up_w[1][0]
-      acts, passed = predicted_ffn.gated_up(g, ids, np.full(b, f, np.int64), h, up_w[0][i],
-                                            kind, code, int8 and row_int8(kind), n_threads)
+      dots = int8 and row_int8(kind)
+      xq, dx, xs = predicted_ffn.row_activations(h, dots)
+      acts, passed = predicted_ffn.gated_up(g, ids, np.full(b, f, np.int64), xq, dx, xs, h,
+                                            up_w[0][i], kind, code, dots, n_threads)
       t_prev = stamp(phases, i, 5, t_prev)
       y, counts = layer_down(dt, i, acts, n_threads, int8)
       return y, counts, passed, t_prev
@@ -267,8 +269,8 @@ def layers_kernel(x, slots, positions, pool, mats, roles, needs, norms, extras, 
       g = predicted_ffn.gathered_dots(pred[7], pred[5][i], ids, counts, xq, dx, xs, h, dots,
                                       n_threads)
       t_prev = stamp(phases, i, 4, t_prev)
-      acts, passed_i = predicted_ffn.gated_up(g, ids, counts, h, pred[6][i], pred[7], code,
-                                              dots, n_threads)
+      acts, passed_i = predicted_ffn.gated_up(g, ids, counts, xq, dx, xs, h, pred[6][i],
+                                              pred[7], code, dots, n_threads)
       t_prev = stamp(phases, i, 5, t_prev)
       ffn, nonzero_i = layer_down(dt, i, acts, n_threads, int8)
       active[i] = counts.sum() / (rows * f)

@@ -112,13 +112,14 @@ def row_activations(h, int8):
 
 
 @numba.njit(**common.JIT)
-def gated_up(g, ids, counts, h, up_rows, kind, code, int8, n_threads):
+def gated_up(g, ids, counts, xq, dx, xsum, h, up_rows, kind, code, int8, n_threads):
   """From gate values of listed neurons, the activations: (acts f32[b, F], passed i64[b]).
 
   g: f32[b, F], g[r, j] the gate value of neuron ids[r, j] for j < counts[r] (compact); only
   neurons with g > 0 read their up row (up_rows u8[F, row bytes] of `kind`); acts[r, i] =
   act(g, up_i . h[r]) for them (family `code`, ReGLU or dReLU), 0 for every other neuron;
-  passed: how many up rows each row read."""
+  passed: how many up rows each row read. xq, dx, xsum: `row_activations(h, int8)` (computed
+  once for the gate and up rows)."""
   b, f = ids.shape
   pids = np.empty((b, f), np.int32)
   pg = np.empty((b, f), np.float32)
@@ -130,7 +131,6 @@ def gated_up(g, ids, counts, h, up_rows, kind, code, int8, n_threads):
       pg[r, c] = g[r, j]
       c += np.int64(g[r, j] > 0)
     passed[r] = c
-  xq, dx, xsum = row_activations(h, int8)
   u = gathered_dots(kind, up_rows, pids, passed, xq, dx, xsum, h, int8, n_threads)
   acts = np.zeros((b, f), np.float32)
   for r in range(b):
@@ -150,7 +150,8 @@ def predicted_gate_up(logits, threshold, h, gate_rows, up_rows, kind, code, int8
   ids, counts = predicted_ids(logits, threshold)
   xq, dx, xsum = row_activations(h, int8)
   g = gathered_dots(kind, gate_rows, ids, counts, xq, dx, xsum, h, int8, n_threads)
-  acts, passed = gated_up(g, ids, counts, h, up_rows, kind, code, int8, n_threads)
+  acts, passed = gated_up(g, ids, counts, xq, dx, xsum, h, up_rows, kind, code, int8,
+                          n_threads)
   return acts, counts, passed
 
 
