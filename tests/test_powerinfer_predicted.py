@@ -66,8 +66,25 @@ def test_library_runs_the_files_predictors(files, activation):
   assert row["weight_bytes_per_token"] > pred.nbytes + dec.lm_head.file_bytes()
   assert row["ideal_speedup"] == pytest.approx(
       dec.bytes_per_token() / row["weight_bytes_per_token"])
+  if activation == "relu":  # Interleaved with the dense and gate-first FFNs on the same weights.
+    rows = bench.run(model, n_prompt=0, n_gen=3, reps=1, threads=2, interleave_dense=True,
+                     interleave_gate=True)
+    assert [r["mode"] for r in rows] == ["predictor", "gate", "off"]
+    assert model.backend.mode == "predictor"  # Left in its own mode.
+    own, gate, off = rows
+    assert own["vs_dense"] == pytest.approx(own["t_s_mean"] / off["t_s_mean"])
+    assert own["vs_gate"] == pytest.approx(own["t_s_mean"] / gate["t_s_mean"])
+    assert off["weight_bytes_per_token"] == off["dense_weight_bytes_per_token"] == \
+        dec.bytes_per_token()
+    # Gate-first reads every gate row and no predictor: its own accounting, not predictor's.
+    assert gate["weight_bytes_per_token"] > dec.bytes_per_token() - (
+        sum(layer.up.file_bytes() for layer in dec.layers) +
+        sum(layer.down.file_bytes() for layer in dec.layers))
+    assert own["weight_bytes_per_token"] < gate["weight_bytes_per_token"]
   model.configure_sparse("off")
   assert model.backend.mode == "off"
+  with pytest.raises(ConfigError, match="--interleave_gate"):
+    bench.run(model, n_prompt=0, n_gen=3, reps=1, threads=2, interleave_gate=True)
 
 
 def test_library_refuses_predictor_without_predictors(files):
