@@ -22,6 +22,9 @@ summation order.
 State is explicit: `HostDecoder.new_cache` returns a `HostKVCache` of `batch` slots that the
 caller owns and passes to every `forward`.
 
+The sparse FFNs (gate-first, PowerInfer's predicted one) are switched on and accounted for in
+`host_ops.decoder_sparse`, whose methods HostDecoder inherits.
+
 Layout per STYLE.md: numba kernels (`host_ops.layers`, the layer loop; `host_ops.attention`;
 matmuls in `host_ops.pool`) -> HostDecoder (validates) -> `decoder_reference` (float64 NumPy,
 whole model).
@@ -36,16 +39,18 @@ import numpy as np
 
 from host_ops import common
 from host_ops import attention as attn_lib
-from host_ops import gated_ffn
 from host_ops import pool as pool_lib
 from host_ops import qdot
 from host_ops import qmatmul
-from host_ops import qpack
 from host_ops.common import HostOpError
 # PHASES and RECORD_* are part of the decoder's API (`phase_cycles`, `calibrate_gate_cuts`).
 from host_ops.layers import HostLayer  # noqa: F401 (API: the decoder is built from these)
-from host_ops.layers import (NO_DOWN_T, NO_PHASES, NO_RECORD, NO_UP, PHASES,
-                             RECORD_CONTRIBUTION, RECORD_GATE, RECORD_NONE, ROLES, layers_kernel)
+from host_ops.layers import RECORD_CONTRIBUTION, RECORD_GATE  # noqa: F401 (API)
+from host_ops.layers import (NO_DOWN_T, NO_PHASES, NO_PREDICTOR, NO_RECORD, NO_UP, PHASES,
+                             RECORD_NONE, ROLES, layers_kernel)
+# The oracle lives in its own module; `decoder.decoder_reference` stays its public name.
+from host_ops.decoder_reference import decoder_reference  # noqa: F401
+from host_ops.decoder_sparse import SparseFFN
 
 
 def _lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
@@ -83,7 +88,7 @@ class HostKVCache:
 _EXTRAS = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
 
 
-class HostDecoder:
+class HostDecoder(SparseFFN):
   """A whole decoder's weights on the host (see the module docstring for the call sequence).
 
   Args:
@@ -146,6 +151,18 @@ class HostDecoder:
     self._up = None  # Its up rows: stacked split Q4_1 / Q8_0 arrays, or records (ReLU families).
     self.last_active = np.ones(len(layers), np.float32)  # Active FFN fraction, last forward.
     self.last_passed = np.ones(len(layers), np.float32)  # Gate-passed fraction (up rows read).
+    self.last_nonzero = np.ones(len(layers), np.float32)  # Down rows read (nonzero activations).
+    # The predicted FFN (`enable_predicted`): per-layer thresholds when on, the predictors'
+    # pooled roles [(fc1, fc2)] and their pool, the gathered gate and up rows (raw file blocks
+    # [L, F, row bytes] and their qblocks code), and layers_kernel's argument.
+    self.thresholds = None
+    self.predictor_roles = None
+    self._pred_pool = None
+    self._pred_rows = None
+    self._pred = NO_PREDICTOR
+    # Sums over predicted forward passes of the mean fractions of gate rows (predicted), up
+    # rows and down rows read, for `ffn_bytes_per_token`.
+    self.pred_read_sums = np.zeros(3)
     # Sums over gate-first forward passes of mean(last_active), mean(last_passed): the up rows
     # read per computed neuron, for the bytes per token (`ffn_bytes_per_token`).
     self.read_sums = np.zeros(2)
@@ -182,6 +199,8 @@ class HostDecoder:
     if value != self._dot:
       self._dot = value
       self._build_pool()
+      if self.predictor_roles is not None:
+        self._build_predictor_pool(self.predictor_roles)
 
   def _check_layers(self, d: int) -> None:
     n_heads, n_kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
@@ -273,19 +292,6 @@ class HostDecoder:
     return (self.pool.nbytes + sum(w.nbytes for w in mats) + self._norms.nbytes
             + self.final_norm.nbytes + self.sparse_nbytes())
 
-  def sparse_nbytes(self) -> int:
-    """Bytes of the gate-first FFN's own copies (`enable_gated`): the neuron-major down rows and
-    the up rows (split, or records for ReLU families); 0 before they are built. Held while the
-    sparse FFN is off."""
-    held = 0 if self._stacked_down_t is None else sum(a.nbytes for a in self._stacked_down_t)
-    if self._up is not None:
-      first = self._up[0]
-      if first.base is not None and first.strides[1] != first.shape[2] * first.itemsize:
-        held += first.shape[0] * first.shape[1] * first.strides[1]  # Records: one buffer.
-      else:
-        held += sum(a.nbytes for a in self._up)
-    return int(held)
-
   # ------------------------------------------------------------------------- KV cache
   def new_cache(self, batch: int, max_seq_len: int) -> HostKVCache:
     """A zeroed host KV cache of `batch` sequence slots of `max_seq_len` tokens (the caller owns
@@ -302,191 +308,6 @@ class HostDecoder:
                         f"{nbytes / 2 ** 30:.1f} GiB, more than this machine's "
                         f"{ram / 2 ** 30:.1f} GiB; use fewer slots or a shorter max_seq_len")
     return HostKVCache(_lazy_zeros(shape), _lazy_zeros(shape))
-
-  # ------------------------------------------------------------------------- sparsity
-  def enable_gated(self, cuts, down_format: str | None = None,
-                   contribution_cuts=None) -> None:
-    """Turns on the gate-first sparse FFN (`host_ops.gated_ffn`) with per-layer cuts
-    (float[L], >= 0; ReLU families skip exactly g <= 0 whatever the cut), or off with None.
-
-    contribution_cuts: float[L] >= 0, or None (zeros): a neuron that passes the gate keeps its
-    down row only if |act(g, u)| reaches its layer's cut (`gated_ffn`'s contribution_cut).
-
-    down_format: the neuron-major down rows: "file", a Q4_1 file's own blocks transposed,
-    nothing rounded again (`gated_ffn.FileDownRows`: 0.5 bytes/weight per active neuron plus
-    0.125 for the scales; HostOpError for other down formats); or re-quantized from the
-    file's values, "q8_0" (1.0625 bytes/weight; SmolLM2 Q4_1 perplexity 27.09 against 26.99
-    dense; re-quantized Q4_1 rows, a second 4-bit rounding at 28.45, were removed).
-    None: "file" where every layer's down projection is Q4_1, else "q8_0". Built on first use
-    and when the format changes; the old rows are dropped first (never both held), so if
-    building fails the sparse FFN is left off.
-    Memory: the gate-first passes read their own copies, built here from the pool: the
-    neuron-major down rows and the up rows (Q4_1 / Q8_0 codes and scales stacked per layer;
-    ReLU families as one record per row, `_build_up_records`). They stay held when the sparse
-    FFN is turned off (the bench toggles it); `nbytes` counts them (`sparse_nbytes`).
-
-    Raises:
-      HostOpError: cuts of the wrong count or value, an unknown format, a GeGLU model, up rows
-        that are not Q4_1 or Q8_0.
-    """
-    if down_format is None:  # The file's own blocks where it can (exact, fewest bytes read).
-      down_format = gated_ffn.DOWN_FILE if all(
-          layer.down.kind == qmatmul.Q4_1 and layer.down.shape[0] % qmatmul.BLOCK == 0
-          for layer in self.layers) else qmatmul.Q8_0
-    if down_format not in gated_ffn.DOWN_KINDS:
-      raise HostOpError(f"down_format must be one of {', '.join(gated_ffn.DOWN_KINDS)}, got "
-                        f"{down_format!r}")
-    if cuts is None:
-      if contribution_cuts is not None:
-        raise HostOpError("contribution_cuts need cuts (the gate cuts; zeros for the "
-                          "contribution rule alone); None turns the sparse FFN off")
-      self.gate_cuts = self.contribution_cuts = None
-      self.last_active[:] = 1.0
-      self.last_passed[:] = 1.0
-      return
-    if self.family == "geglu":
-      raise HostOpError("the gate-first sparse FFN supports swiglu, reglu and drelu, not geglu")
-    up_kinds = {layer.up.kind for layer in self.layers}
-    if len(up_kinds) != 1 or next(iter(up_kinds)) not in (qmatmul.Q4_1, qmatmul.Q8_0):
-      raise HostOpError(f"the gate-first sparse FFN reads Q4_1 or Q8_0 up rows of one format "
-                        f"in every layer; this model's are {', '.join(sorted(up_kinds))}")
-    cuts = self._cut_list("cuts", cuts)
-    ccuts = [0.0] * self.n_layers if contribution_cuts is None else \
-        self._cut_list("contribution_cuts", contribution_cuts)
-    if self._down_t is None or self._down_t[0].kind != down_format:
-      self.enable_gated(None)  # Off and the old rows freed while the new ones are built.
-      self._down_t = self._stacked_down_t = None
-      quantize = qmatmul.quantize_q8_0
-      down_t, stacked_t = [], None
-      for i, layer in enumerate(self.layers):  # One layer's f32 copy at a time.
-        if down_format == gated_ffn.DOWN_FILE:
-          w = gated_ffn.FileDownRows.from_down(layer.down.parts[0].qmatrix())
-        else:
-          w = quantize(np.ascontiguousarray(layer.down.dequantize().T))
-        if i == 0:
-          stacked_t = tuple(common.empty_aligned((self.n_layers,) + a.shape, a.dtype)
-                            for a in w.arrays)
-        for stacked, a in zip(stacked_t, w.arrays):
-          stacked[i] = a
-        views = tuple(a[i] for a in stacked_t)
-        down_t.append(gated_ffn.FileDownRows(*views) if down_format == gated_ffn.DOWN_FILE
-                      else qmatmul.QMatrix(down_format, views))
-      self._down_t, self._stacked_down_t = down_t, stacked_t
-    if self._up is None:
-      self._up = self._build_up()
-    self.gate_cuts = cuts
-    self.contribution_cuts = None if contribution_cuts is None else ccuts
-    # What `layers_kernel` reads, once, not per pass: f32[L, 2] (gate cut, contribution cut).
-    self._cuts = np.ascontiguousarray(np.stack([cuts, ccuts], axis=1), np.float32)
-
-  def _build_up(self):
-    """The gate-first up rows: every layer's Q4_1 (qs, d, m) or Q8_0 (q, d) arrays stacked
-    [L, F, ...] (64-byte aligned), or for ReLU families one record per row (`_build_up_records`).
-    """
-    n_layers = self.n_layers
-    stacked = None
-    for i, layer in enumerate(self.layers):  # One layer's split copy at a time.
-      arrays = layer.up.parts[0].qmatrix().arrays
-      if stacked is None:
-        stacked = tuple(common.empty_aligned((n_layers,) + a.shape, a.dtype) for a in arrays)
-      for s, a in zip(stacked, arrays):
-        s[i] = a
-    if self.code in (common.FAMILY_CODES["reglu"], common.FAMILY_CODES["drelu"]):
-      return self._build_up_records(stacked)
-    return stacked
-
-  @staticmethod
-  def _build_up_records(parts):
-    """The stacked up rows again, each row's codes and scales side by side in one record
-    (views into u8[L, F, R], R the row's bytes rounded up to 64, every record on a cache line),
-    for the gathered up pass of ReLU families (gate-first reads only the rows whose gate
-    passes). One 2560-byte gathered read per 7B Q4_1 row instead of three (2048 + 256 + 256):
-    the up pass at 50% / 25% of rows 708-758 -> 514-601 / 406-433 -> 282-302 us
-    (BUILD_NOTES.md, issue 11)."""
-    n_layers, f = parts[0].shape[:2]
-    widths = [a.shape[2] * a.itemsize for a in parts]
-    row = -(-sum(widths) // 64) * 64
-    buf = common.empty_aligned((n_layers, f, row), np.uint8)
-    views, start = [], 0
-    for a, width in zip(parts, widths):
-      view = buf[:, :, start:start + width].view(a.dtype)
-      view[...] = a
-      views.append(view)
-      start += width
-    return tuple(views)
-
-  def _cut_list(self, name: str, values) -> list[float]:
-    """values as n_layers floats (each finite in f32 and >= 0), or HostOpError."""
-    try:
-      values = list(values)
-    except TypeError:
-      raise HostOpError(f"enable_gated needs {self.n_layers} {name} (one per layer), got "
-                        f"{values!r}") from None
-    if len(values) != self.n_layers:
-      raise HostOpError(f"enable_gated needs {self.n_layers} {name} (one per layer), got "
-                        f"{len(values)}")
-    return [float(common.cut_value(f"enable_gated: {name}", v)) for v in values]
-
-  @property
-  def down_format(self) -> str | None:
-    """The format of the neuron-major down rows built ("q8_0" | "file"; kept while the
-    sparse FFN is off), None before any."""
-    return None if self._down_t is None else self._down_t[0].kind
-
-  def calibrate_gate_cuts(self, chunks, sparsity: float, contribution: bool = False
-                          ) -> list[float]:
-    """Per-layer cuts on |act_gate(gate . h)| that skip `sparsity` of the FFN neurons on the
-    calibration tokens (the per-layer quantile; CATS §3), or with contribution=True on the
-    neuron's whole activation |act(gate . h, up . h)| (`enable_gated`'s contribution_cuts).
-    chunks: int[t] token arrays, each run from position 0 with the dense FFN in a cache of its
-    own. Returns float[L].
-    """
-    if not 0.0 <= sparsity < 1.0:
-      raise HostOpError(f"target sparsity must be in [0, 1), got {sparsity}")
-    chunks = list(chunks)
-    if not chunks:
-      raise HostOpError("calibrate_gate_cuts needs at least one chunk of tokens")
-    recorded = [self.record_ffn(chunk, contribution).reshape(self.n_layers, -1)
-                for chunk in chunks]
-    values = np.concatenate(recorded, axis=1)
-    return [float(np.quantile(v, sparsity)) for v in values]
-
-  def record_ffn(self, tokens, contribution: bool = True) -> np.ndarray:
-    """f32[L, T, F]: per layer and token, every FFN neuron's |act(gate . h, up . h)|
-    (contribution=True) or |act_gate(gate . h)| as this decoder's products compute them, for
-    tokens: int[T] run densely from position 0 in a cache of their own."""
-    tokens = np.asarray(tokens).reshape(-1)
-    saved = self.gate_cuts
-    self.gate_cuts = None
-    try:
-      record = np.empty((self.n_layers, tokens.shape[0], self.intermediate_size), np.float32)
-      self._forward(self.new_cache(1, tokens.shape[0]), tokens,
-                    np.zeros(tokens.shape[0], np.int64), np.arange(tokens.shape[0]),
-                    [tokens.shape[0] - 1], record,
-                    RECORD_CONTRIBUTION if contribution else RECORD_GATE)
-      return record
-    finally:
-      self.gate_cuts = saved
-
-  def ffn_bytes_per_token(self, active_fraction: float | None = None,
-                          passed_fraction: float | None = None) -> int:
-    """FFN weight bytes one token reads (GGUF block bytes): dense, or gate-first with
-    active_fraction of the neurons computed (their neuron-major down rows read: Q8_0, or Q4_1
-    once `enable_gated` built those) and passed_fraction passing the gate (their up rows
-    read; ReGLU/dReLU read more up rows than down rows). passed_fraction None: active_fraction
-    times the ratio measured over this decoder's gate-first passes so far (`read_sums`), or
-    active_fraction before any."""
-    if active_fraction is None:
-      return sum(w.file_bytes() for layer in self.layers for w in (layer.gate, layer.up,
-                                                                    layer.down))
-    if passed_fraction is None:
-      active_sum, passed_sum = self.read_sums
-      passed_fraction = active_fraction * (passed_sum / active_sum if active_sum > 0 else 1.0)
-    kind = qmatmul.Q8_0 if self._down_t is None else self._down_t[0].kind
-    per_block, fixed = gated_ffn.DOWN_BLOCK_BYTES[kind]
-    blocks = sum(layer.down.shape[0] * layer.down.shape[1] // 32 for layer in self.layers)
-    return int(sum(layer.gate.file_bytes() + passed_fraction * layer.up.file_bytes()
-                   for layer in self.layers) + (active_fraction * per_block + fixed) * blocks)
 
   # ------------------------------------------------------------------------- forward
   def forward(self, cache: HostKVCache, tokens, pos: int, rows=None) -> np.ndarray:
@@ -577,19 +398,25 @@ class HostDecoder:
     if self.embedding_scale != 1.0:
       x *= np.float32(self.embedding_scale)
     n_threads = common.ensure_host_threads()
-    if self.gate_cuts is None or record_mode != RECORD_NONE:
-      cuts, up, dt = np.zeros((0, 2), np.float32), NO_UP, NO_DOWN_T
+    recording = record_mode != RECORD_NONE  # Dense, whatever sparse FFN is on.
+    pred = NO_PREDICTOR if recording else self._pred
+    if self.gate_cuts is None or recording:
+      cuts, up = np.zeros((0, 2), np.float32), NO_UP
+      dt = self._stacked_down_t if self.thresholds is not None and not recording else NO_DOWN_T
     else:
       cuts, up, dt = self._cuts, self._up, self._stacked_down_t
     x = layers_kernel(x, slots, positions, self.pool.pool, self.pool.mats, self._roles,
                        self._needs, self._norms, self._extras, cache.k, cache.v, cos, sin,
                        self._rope_of, self.windows, self.rope_adjacent, self.n_heads,
                        self.n_kv_heads, self.head_dim, np.float32(self.attn_scale), self.eps,
-                       self.code, self.dot == qmatmul.DOT_INT8, cuts, up, dt, self.last_active,
-                       self.last_passed, n_threads, NO_PHASES if phases is None else phases,
-                       record, record_mode)
-    if self.gate_cuts is not None and record_mode == RECORD_NONE:
+                       self.code, self.dot == qmatmul.DOT_INT8, cuts, up, dt, pred,
+                       self.last_active, self.last_passed, self.last_nonzero, n_threads,
+                       NO_PHASES if phases is None else phases, record, record_mode)
+    if self.gate_cuts is not None and not recording:
       self.read_sums += (float(self.last_active.mean()), float(self.last_passed.mean()))
+    if self.thresholds is not None and not recording:
+      self.pred_read_sums += (float(self.last_active.mean()), float(self.last_passed.mean()),
+                              float(self.last_nonzero.mean()))
     if rows is not None:
       x = x[np.asarray(rows, np.int64)]
     h = attn_lib.rms_norm(np.ascontiguousarray(x), self.final_norm, self.eps)
@@ -599,91 +426,3 @@ class HostDecoder:
     kinds = sorted({w.kind for layer in self.layers for w in layer.matrices()})
     return (f"HostDecoder({self.n_layers} layers, {'/'.join(kinds)}, head {self.lm_head.kind}, "
             f"{self.nbytes() / 1e6:.1f} MB)")
-
-
-def decoder_reference(dec: HostDecoder, tokens) -> np.ndarray:
-  """Float64 NumPy reference of `HostDecoder.forward` for one fresh sequence (positions 0..T-1).
-
-  tokens: int[T]. Returns f32[T, V] logits. Dequantizes with `qmatmul.dequantize_reference`;
-  with dec.dot "int8" every product's input is replaced by its quantized value as the kernel
-  of that matrix reads it (`qpack.x_hat_reference`: per 256 values for packed K-quants, per 32
-  else; the head as `qmatmul.matmul_int8_reference`); RoPE and causal grouped-query attention
-  written out from their definitions; with the gate-first FFN on (`enable_gated`), neurons whose
-  gate fails the layer's cut are zeroed and the down projection uses the neuron-major rows
-  (`gated_ffn_reference`).
-  """
-  n, k, hd = dec.n_heads, dec.n_kv_heads, dec.head_dim
-  tokens = np.asarray(tokens).reshape(-1)
-  t = tokens.shape[0]
-  half = dec.rope_dim // 2
-  int8 = dec.dot == qmatmul.DOT_INT8
-
-  def rope(x, layer):  # [T, heads, H]
-    theta, scale, factors = dec.layer_rope[layer]
-    inv_freq = theta ** (-np.arange(half) * 2.0 / dec.rope_dim)
-    if factors:
-      inv_freq = inv_freq / np.asarray(factors, np.float64)
-    ang = np.arange(t)[:, None] / scale * inv_freq  # [T, R/2]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-    x = x.copy()
-    if dec.rope_adjacent:
-      a, c = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
-      x[..., 0:2 * half:2], x[..., 1:2 * half:2] = a * cos - c * sin, a * sin + c * cos
-    else:
-      a, c = x[..., :half].copy(), x[..., half:2 * half].copy()
-      x[..., :half], x[..., half:2 * half] = a * cos - c * sin, a * sin + c * cos
-    return x
-
-  def norm(x, scale):
-    if scale is None:
-      return x
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + dec.eps) * \
-        np.asarray(scale, np.float64)
-
-  def mm(role, x):  # A pooled role: each part's products as its kernel computes them.
-    outs = []
-    for p in role.parts:
-      w = qmatmul.dequantize_reference(p.qmatrix())
-      if int8 and p.kind not in (qmatmul.F16, qmatmul.BF16):
-        xk = qpack.x_hat_reference(p.kind if p.packed else qmatmul.Q4_0, x)
-        outs.append(xk @ w.T)
-      else:
-        outs.append(np.asarray(x, np.float64) @ w.T)
-    return np.concatenate(outs, axis=-1)
-
-  def head(x):
-    if int8:
-      return qmatmul.matmul_int8_reference(dec.lm_head, x.astype(np.float32)).astype(np.float64)
-    return x @ qmatmul.dequantize_reference(dec.lm_head).T
-
-  x = qmatmul.dequantize_reference(dec.embedding)[tokens] * dec.embedding_scale
-  for li, layer in enumerate(dec.layers):
-    qkv = mm(layer.qkv, norm(x, layer.attn_norm))
-    if layer.qkv_bias is not None:
-      qkv = qkv + layer.qkv_bias
-    qkv = qkv.reshape(t, n + 2 * k, hd)
-    q, key, val = norm(qkv[:, :n], layer.q_norm), norm(qkv[:, n:n + k], layer.k_norm), \
-        qkv[:, n + k:]
-    q, key = rope(q, li), rope(key, li)
-    key, val = np.repeat(key, n // k, axis=1), np.repeat(val, n // k, axis=1)  # [T, N, H]
-    scores = np.einsum("tnh,snh->nts", q, key) * dec.attn_scale
-    qpos, kpos = np.arange(t)[:, None], np.arange(t)[None, :]
-    seen_mask = kpos <= qpos
-    if dec.windows[li] > 0:
-      seen_mask &= kpos > qpos - dec.windows[li]
-    scores = np.where(seen_mask, scores, -np.inf)
-    p = np.exp(scores - scores.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    attn = np.einsum("nts,snh->tnh", p, val).reshape(t, n * hd)
-    x = x + norm(mm(layer.attn_out, attn), layer.post_attn_norm)
-    h = norm(x, layer.ffn_norm)
-    if dec.gate_cuts is None:
-      a = common.activation_reference(mm(layer.gate, h), mm(layer.up, h), dec.family)
-      y = mm(layer.down, a)
-    else:
-      y = gated_ffn.gated_ffn_reference(mm(layer.gate, h), h, layer.up.parts[0].qmatrix(),
-                                        dec._down_t[li], cut=dec.gate_cuts[li],
-                                        family=dec.family, dot=dec.dot,
-                                        contribution_cut=float(dec._cuts[li, 1]))[0]
-    x = x + norm(y, layer.post_ffn_norm)
-  return head(norm(x, dec.final_norm)).astype(np.float32)

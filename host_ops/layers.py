@@ -5,7 +5,8 @@ i of sequence slot `slots[i]` at position `positions[i]`: a prompt's chunk (pref
 of one sequence (decode), one token each of several sequences (batched decode), or a mix.
 Matmuls see N activation rows whatever they belong to (`host_ops.pool`); attention reads and
 writes each token's own slot of the KV cache (`host_ops.attention`); the FFN is dense or the
-gate-first sparse one (`host_ops.gated_ffn`, `host_ops.gated_down`).
+gate-first sparse one (`host_ops.gated_ffn`, `host_ops.gated_down`), or PowerInfer's predicted one
+(`host_ops.predicted_ffn`).
 
 Layout per STYLE.md: these kernels -> `decoder.HostDecoder` (validates, owns the weights and
 the calls) -> `decoder.decoder_reference`.
@@ -25,6 +26,7 @@ from host_ops import attention as attn_lib
 from host_ops import gated_down
 from host_ops import gated_ffn
 from host_ops import pool as pool_lib
+from host_ops import predicted_ffn
 from host_ops import qblocks
 from host_ops import qdot
 from host_ops import qmatmul
@@ -71,9 +73,10 @@ def activation_kernel(g, u, code):
 
 # What `layers_kernel` times per layer when asked (`HostDecoder.phase_cycles`): the attention
 # norm and q/k/v matmul, attention, the output matmul with the residual and the FFN norm, the
-# gate matmul, then up and down: the matmuls (dense) or the gate-first up and down passes, down
-# with the FFN's residual (and post-norm).
-PHASES = ("qkv", "attention", "attn_out", "gate", "up", "down")
+# predictor's two products (predicted FFN only), the gate matmul (or the predicted neurons' gate
+# rows), then up and down: the matmuls (dense) or the sparse up and down passes, down with the
+# FFN's residual (and post-norm).
+PHASES = ("qkv", "attention", "attn_out", "predictor", "gate", "up", "down")
 NO_PHASES = np.zeros((0, len(PHASES)), np.int64)  # Placeholder when nothing is timed.
 # What `layers_kernel` records per layer for `calibrate_gate_cuts`: nothing, |act_gate(g)|,
 # or |act(g, u)|.
@@ -110,23 +113,56 @@ def layer_gated(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
   raise NotImplementedError("layer_gated runs inside numba-compiled code only")
 
 
+def layer_down(dt, i, acts, n_threads, int8):
+  """(y, nonzero) of layer i's down pass over its neuron-major rows (numba only; see the
+  overload below)."""
+  raise NotImplementedError("layer_down runs inside numba-compiled code only")
+
+
+@numba_extending.overload(layer_down, jit_options=common.JIT)
+def _layer_down_overload(dt, i, acts, n_threads, int8):
+  """`gated_down.down_pass` on layer i of stacked down rows dt: Q8_0 (i8[L, F, D], u16[L, F,
+  D/32]) or `FileDownRows`' three arrays."""
+  block = np.int64(qmatmul.BLOCK)
+  if len(dt) == 3:
+    def impl(dt, i, acts, n_threads, int8):
+      return gated_down.down_pass(acts, (dt[0][i], dt[1][i], dt[2][i]), n_threads, block, int8)
+  else:
+    def impl(dt, i, acts, n_threads, int8):
+      return gated_down.down_pass(acts, (dt[0][i], dt[1][i]), n_threads, block, int8)
+  return impl
+
+
 @numba_extending.overload(layer_gated, jit_options=common.JIT)
 def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
   """`gated_ffn.gated_ffn`'s passes for stacked up rows (Q4_1 (qs, d, m) or Q8_0 (q, d), each
-  [L, F, ...]: separate C arrays, or views into one record per row, `_build_up_records`) and
-  stacked neuron-major down rows dt: Q8_0 (i8[L, F, D], u16[L, F, D/32]) or `FileDownRows`'
-  arrays; the integer kernel only where qdot.AVAILABLE."""
-  block = np.int64(qmatmul.BLOCK)
+  [L, F, ...]: separate C arrays, or views into one record per row, `_build_up_records`; or
+  for ReLU families any kind's file blocks (rows u8[L, F, row bytes], kind i64[1]: a qblocks
+  code), read by `predicted_ffn.gated_up`) and stacked neuron-major down rows dt (`layer_down`);
+  the integer kernels only where qdot.AVAILABLE."""
   q4 = len(up_w) == 3
+  raw = len(up_w) == 2 and up_w[0].dtype == numba.types.uint8
   m = 2 if q4 else 1  # Q8_0: its scales stand in for the offsets, never read.
-  if len(dt) == 3:
-    layer_dt = lambda dt, i: (dt[0][i], dt[1][i], dt[2][i])  # noqa: E731
-  else:
-    layer_dt = lambda dt, i: (dt[0][i], dt[1][i])  # noqa: E731
-  layer_dt = numba.njit(inline="always", **common.JIT)(layer_dt)
   # Without AVX2 the integer up pass is never compiled (a decoder's dot is then "f32": int8 is
   # always False there).
   up_int8 = gated_ffn.up_pass_int8 if qdot.AVAILABLE else gated_ffn.up_pass
+
+  if raw:
+    def impl(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
+      b, f = g.shape
+      ids = np.empty((b, f), np.int32)
+      for r in range(b):
+        for j in range(f):
+          ids[r, j] = j
+      kind = up_w[1][0]
+      dots = int8 and row_int8(kind)
+      xq, dx, xs = predicted_ffn.row_activations(h, dots)
+      acts, passed = predicted_ffn.gated_up(g, ids, np.full(b, f, np.int64), xq, dx, xs, h,
+                                            up_w[0][i], kind, code, dots, n_threads)
+      t_prev = stamp(phases, i, 5, t_prev)
+      y, counts = layer_down(dt, i, acts, n_threads, int8)
+      return y, counts, passed, t_prev
+    return impl
 
   def impl(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases, t_prev):
     if int8:
@@ -134,17 +170,42 @@ def _layer_gated_overload(up_w, i, g, h, dt, cuts, code, n_threads, int8, phases
     else:
       acts, passed = gated_ffn.up_pass(g, h, up_w[0][i], up_w[1][i], up_w[m][i], cuts, code,
                                        n_threads, q4)
-    t_prev = stamp(phases, i, 4, t_prev)
-    y, counts = gated_down.down_pass(acts, layer_dt(dt, i), n_threads, block, int8)
+    t_prev = stamp(phases, i, 5, t_prev)
+    y, counts = layer_down(dt, i, acts, n_threads, int8)
     return y, counts, passed, t_prev
   return impl
+
+
+@numba.njit(inline="always", **common.JIT)
+def row_int8(kind):
+  """Whether rows of qblocks kind code `kind` have integer dots (F16 and BF16 run f32)."""
+  return kind != qblocks.F16 and kind != qblocks.BF16
+
+
+@numba.njit(inline="always", **common.JIT)
+def predictor_logits(pred, i, x, f, int8):
+  """f32[N, F] = fc2 @ relu(fc1 @ x) of layer i's predictor (`layers_kernel`'s pred), x the
+  residual entering the FFN block."""
+  ppool, pmats, proles, pneeds = pred[0], pred[1], pred[2], pred[3]
+  rank = 0
+  for p in range(proles.shape[2]):
+    if proles[i, 0, p] >= 0:
+      rank += pmats[proles[i, 0, p], pool_lib.M_ROWS]
+  z = np.empty((x.shape[0], rank), np.float32)  # [N, r]
+  product(ppool, pmats, proles[i, 0], pneeds[i, 0], x, z, int8)
+  for r in range(x.shape[0]):
+    for k in range(rank):
+      z[r, k] = max(z[r, k], np.float32(0.0))
+  logits = np.empty((x.shape[0], f), np.float32)  # [N, F]
+  product(ppool, pmats, proles[i, 1], pneeds[i, 1], z, logits, int8)
+  return logits
 
 
 @numba.njit(**common.JIT)
 def layers_kernel(x, slots, positions, pool, mats, roles, needs, norms, extras, cache_k,
                    cache_v, cos, sin, rope_of, windows, adjacent, n_heads, n_kv, head_dim, scale,
-                   eps, code, int8, cuts, up_w, dt, active, passed, n_threads, phases, record,
-                   record_mode):
+                   eps, code, int8, cuts, up_w, dt, pred, active, passed, nonzero, n_threads,
+                   phases, record, record_mode):
   """Every layer of the decoder for a ragged batch (module docstring): x: f32[N, D] embeddings
   -> f32[N, D] after the last layer.
 
@@ -156,7 +217,14 @@ def layers_kernel(x, slots, positions, pool, mats, roles, needs, norms, extras, 
   RoPE tables, layer i using table rope_of[i]; windows: i64[L] (0: global attention).
   Gate-first FFN (`gated_ffn`) when cuts (f32[L, 2]: gate, contribution) is not empty: up rows
   up_w (stacked split Q4_1 / Q8_0) and neuron-major down rows dt; layer i's fraction of neurons
-  computed is written to active[i], of neurons whose gate passed to passed[i]. phases:
+  computed (down rows read) is written to active[i] and nonzero[i], of neurons whose gate passed
+  (up rows read) to passed[i].
+  Predicted FFN (`predicted_ffn`) when pred's thresholds are not empty: pred = (pool u8[P], mats
+  i64[M, 6], roles i64[L, 2, MAX_PARTS] (fc1, fc2), needs i64[L, 2, 2]: the predictors in a
+  `pool.WeightPool` of their own; thresholds f32[L]; gate_rows, up_rows u8[L, F, row bytes] file
+  blocks of the qblocks kind code pred[7]), down rows dt as gate-first; then active[i] is the
+  fraction of neurons predicted (gate rows read), passed[i] of up rows read, nonzero[i] of down
+  rows read (`NO_PREDICTOR`: off). phases:
   i64[L, len(PHASES)] gets each layer's cycles per phase added, or [0, ...]: nothing timed.
   record: f32[L, N, F] filled per `record_mode` (RECORD_*), or empty.
   """
@@ -192,35 +260,58 @@ def layers_kernel(x, slots, positions, pool, mats, roles, needs, norms, extras, 
       x = x + attn_proj
     h = attn_lib.rms_norm(x, norms[i, 1], eps)
     t_prev = stamp(phases, i, 2, t_prev)
-    product(pool, mats, roles[i, GATE], needs[i, GATE], h, g, int8)
-    t_prev = stamp(phases, i, 3, t_prev)
-    if cuts.shape[0]:
-      ffn, counts, passed_i, t_prev = layer_gated(up_w, i, g, h, dt, cuts[i], code, n_threads,
-                                                   int8, phases, t_prev)
+    if pred[4].shape[0]:  # Predicted: gate rows of the predicted neurons only.
+      logits = predictor_logits(pred, i, x, f, int8)
+      t_prev = stamp(phases, i, 3, t_prev)
+      ids, counts = predicted_ffn.predicted_ids(logits, pred[4][i])
+      dots = int8 and row_int8(pred[7])
+      xq, dx, xs = predicted_ffn.row_activations(h, dots)
+      g = predicted_ffn.gathered_dots(pred[7], pred[5][i], ids, counts, xq, dx, xs, h, dots,
+                                      n_threads)
+      t_prev = stamp(phases, i, 4, t_prev)
+      acts, passed_i = predicted_ffn.gated_up(g, ids, counts, xq, dx, xs, h, pred[6][i],
+                                              pred[7], code, dots, n_threads)
+      t_prev = stamp(phases, i, 5, t_prev)
+      ffn, nonzero_i = layer_down(dt, i, acts, n_threads, int8)
       active[i] = counts.sum() / (rows * f)
       passed[i] = passed_i.sum() / (rows * f)
+      nonzero[i] = nonzero_i.sum() / (rows * f)
     else:
-      product(pool, mats, roles[i, UP], needs[i, UP], h, u, int8)
+      product(pool, mats, roles[i, GATE], needs[i, GATE], h, g, int8)
       t_prev = stamp(phases, i, 4, t_prev)
-      a = activation_kernel(g, u, code)
-      if record_mode == RECORD_CONTRIBUTION:
-        for r in range(rows):
-          for j in range(f):
-            record[i, r, j] = abs(a[r, j])
-      elif record_mode == RECORD_GATE:
-        for r in range(rows):
-          for j in range(f):
-            record[i, r, j] = abs(common.activation(g[r, j], np.float32(1.0),
-                                                     0 if code == 0 else 1))
-      product(pool, mats, roles[i, DOWN], needs[i, DOWN], a, ffn, int8)
+      if cuts.shape[0]:
+        ffn, counts, passed_i, t_prev = layer_gated(up_w, i, g, h, dt, cuts[i], code,
+                                                     n_threads, int8, phases, t_prev)
+        active[i] = counts.sum() / (rows * f)
+        nonzero[i] = active[i]
+        passed[i] = passed_i.sum() / (rows * f)
+      else:
+        product(pool, mats, roles[i, UP], needs[i, UP], h, u, int8)
+        t_prev = stamp(phases, i, 5, t_prev)
+        a = activation_kernel(g, u, code)
+        if record_mode == RECORD_CONTRIBUTION:
+          for r in range(rows):
+            for j in range(f):
+              record[i, r, j] = abs(a[r, j])
+        elif record_mode == RECORD_GATE:
+          for r in range(rows):
+            for j in range(f):
+              record[i, r, j] = abs(common.activation(g[r, j], np.float32(1.0),
+                                                       0 if code == 0 else 1))
+        product(pool, mats, roles[i, DOWN], needs[i, DOWN], a, ffn, int8)
     if post_ffn.shape[1]:
       x = x + attn_lib.rms_norm(ffn, post_ffn[i], eps)
     else:
       x = x + ffn
-    t_prev = stamp(phases, i, 5, t_prev)
+    t_prev = stamp(phases, i, 6, t_prev)
   return x
 
 
 # Placeholders for `layers_kernel` when the gate-first FFN is off.
 NO_UP = (np.zeros((0, 0, qmatmul.BLOCK), np.int8), np.zeros((0, 0, 1), np.uint16))
 NO_DOWN_T = (np.zeros((0, 0, qmatmul.BLOCK), np.int8), np.zeros((0, 0, 1), np.uint16))
+# ... and when the predicted FFN is off (`layers_kernel`'s pred, no thresholds).
+NO_PREDICTOR = (np.zeros(64, np.uint8), np.zeros((0, 6), np.int64),
+                np.zeros((0, 2, pool_lib.MAX_PARTS), np.int64), np.zeros((0, 2, 2), np.int64),
+                np.zeros(0, np.float32), np.zeros((0, 0, 0), np.uint8),
+                np.zeros((0, 0, 0), np.uint8), np.int64(0))

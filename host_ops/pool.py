@@ -116,7 +116,7 @@ def pool_matmul(pool, mats, ids, xa, x, xsum, out, int8):
 
 
 # ----------------------------------------------------------------------------- the pool
-def _file_rows(w) -> np.ndarray:
+def file_rows(w) -> np.ndarray:
   """A QMatrix's (or PooledMatrix's) rows in the file's block layout: u8[n, row bytes] (a view
   for the raw kinds; Q4_1 / Q8_0 interleaved back from their codes and scales)."""
   if isinstance(w, PooledMatrix):
@@ -264,7 +264,7 @@ class WeightPool:
       pooled = []
       for part, packed, off, row_bytes in entry:
         n, dim = part.shape
-        raw = _file_rows(part)
+        raw = file_rows(part)
         if packed:
           size = n // qpack.G * row_bytes
           qpack.pack(part.kind, raw, self.pool[off:off + size].reshape(n // qpack.G, row_bytes))

@@ -86,15 +86,17 @@ def bench_prefill(model, n_prompt: int, reps: int, seed: int = 0) -> BenchResult
   return BenchResult(f"pp{n_prompt}", rates, compile_s, 1.0 - float(np.mean(active)))
 
 
-def bench_decode(model, n_gen: int, reps: int, seed: int = 0, switch=None, before_rep=None):
+def bench_decode(model, n_gen: int, reps: int, seed: int = 0, switch=None, before_rep=None,
+                 modes=(False, True)):
   """tg<n_gen>: tokens/s of n_gen decode steps after a 1-token prompt, mean over reps.
 
-  switch: None, or switch(sparse: bool) turning the loaded model's sparse FFN on or off; then
-  every repetition times the dense FFN and then the sparse one, interleaved in this process on
-  the same weights, and the result is (sparse, dense) BenchResults.
-  before_rep: None, or called with (mode, rep) before each repetition (mode None, or False /
-  True as for switch; rep 0 is the warm-up): `profile_layers` points the phase counters at the
-  mode's, or at scratch for the warm-up.
+  switch: None, or switch(mode) putting the loaded model's FFN into mode, one of `modes` (by
+  default False: dense, True: sparse); then every repetition times each mode in turn,
+  interleaved in this process on the same weights, the last mode is left on, and the result is
+  {mode: BenchResult}.
+  before_rep: None, or called with (mode, rep) before each repetition (mode None, or one of
+  modes; rep 0 is the warm-up): `profile_layers` points the phase counters at the mode's, or at
+  scratch for the warm-up.
   """
   if not 1 <= n_gen < model.max_seq_len:
     raise ConfigError(f"-n {n_gen} must be in [1, max_seq_len={model.max_seq_len}).")
@@ -120,7 +122,7 @@ def bench_decode(model, n_gen: int, reps: int, seed: int = 0, switch=None, befor
     model.release_cache(cache)
     return rate, float(np.mean(np.asarray(jnp.stack(steps))))
 
-  modes = (None,) if switch is None else (False, True)
+  modes = (None,) if switch is None else tuple(modes)
   rates = {m: [] for m in modes}
   active = {m: [] for m in modes}
   try:
@@ -136,10 +138,33 @@ def bench_decode(model, n_gen: int, reps: int, seed: int = 0, switch=None, befor
           active[m].append(act)
   finally:
     if switch is not None:
-      switch(True)
+      switch(modes[-1])
   results = {m: BenchResult(f"tg{n_gen}", rates[m], compile_s, 1.0 - float(np.mean(active[m])))
              for m in modes}
-  return results[None] if switch is None else (results[True], results[False])
+  return results[None] if switch is None else results
+
+
+def _mode_switches(model, *, dense: bool, gate: bool) -> dict[str, Any]:
+  """{mode: fn()} putting the loaded host decoder's FFN into each mode to interleave: "off"
+  (dense) with dense, "gate" (gate-first, exact ReLU zeros) with gate, and the model's own
+  sparse mode last (its cuts, or its predictors and thresholds, as configured)."""
+  dec = model.backend.decoder
+  mode = model.sparse_mode
+  down = dec.down_format
+  if dec.thresholds is not None:  # PowerInfer's predictors (a bundle's predictor: gated cuts).
+    roles, thresholds = list(dec.predictor_roles), list(dec.thresholds)
+    own = lambda: dec.enable_predicted([a for a, _ in roles], [b for _, b in roles],  # noqa: E731
+                                       thresholds, down)
+  else:
+    cuts, ccuts = list(dec.gate_cuts), dec.contribution_cuts
+    own = lambda: dec.enable_gated(cuts, down, ccuts)  # noqa: E731
+  switches = {}
+  if dense:
+    switches["off"] = lambda: (dec.enable_gated(None), dec.enable_predicted(None))
+  if gate:
+    switches["gate"] = lambda: dec.enable_gated([0.0] * dec.n_layers, down)
+  switches[mode] = own
+  return switches
 
 
 def weight_bytes_per_token(model, ffn_sparsity: float) -> tuple[int, int]:
@@ -173,29 +198,36 @@ def _phase_decoder(model):
 
 
 def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
-        interleave_dense: bool = False, profile_layers: bool = False) -> list[dict[str, Any]]:
-  """The bench rows (dicts). interleave_dense: with the host gate-first sparse FFN on (--sparse=
-  gate|contribution, or a bundle's predictor on the host engine), tg also
+        interleave_dense: bool = False, profile_layers: bool = False,
+        interleave_gate: bool = False) -> list[dict[str, Any]]:
+  """The bench rows (dicts). interleave_dense: with the host gate-first sparse FFN on, tg also
   times the same model's dense FFN in alternate repetitions (a row with mode "off", and
-  "vs_dense" on the sparse row: the ratio of mean tokens/s). profile_layers: each tg row gets
+  "vs_dense" on the sparse row: the ratio of mean tokens/s); with --sparse=predictor too.
+  interleave_gate: with --sparse=predictor, also the gate-first FFN (a row with mode "gate",
+  and "vs_gate" on the predictor row). profile_layers: each tg row gets
   "layer_us", the mean microseconds per layer and decoded token of each phase of the host
   layer loop (`host_ops.decoder.PHASES`, from the CPU's cycle counter, x86 only; over the timed
   repetitions, as tokens/s).
-  Raises ConfigError when interleave_dense is asked for any other mode, or profile_layers
-  without host weights."""
+  Raises ConfigError when interleave_dense / interleave_gate are asked for any other mode, or
+  profile_layers without host weights."""
   if profile_layers and not n_gen:
     raise ConfigError("--profile_layers times decode: give -n > 0, or drop the flag.")
   dec_phases = _phase_decoder(model) if profile_layers else None
-  switch = None
-  if interleave_dense:
-    dec = getattr(model.backend, "decoder", None)  # Host engines only.
-    if dec is None or dec.gate_cuts is None or not n_gen:
-      raise ConfigError("--interleave_dense times the dense FFN beside a sparse decode on the "
-                        "host engine: add --sparse=gate or contribution (a bundle: predictor) "
-                        "and -n > 0, or drop it.")
-    cuts, down, ccuts = list(dec.gate_cuts), dec.down_format, dec.contribution_cuts
-    switch = lambda sparse: dec.enable_gated(cuts, down, ccuts) if sparse else \
-        dec.enable_gated(None)  # noqa: E731
+  own_mode = model.sparse_mode  # The switches below change what the backend reports.
+  switch, switches = None, {}
+  if interleave_dense and (model.sparse_mode not in ("gate", "contribution", "predictor")
+                           or not n_gen or getattr(model.backend, "decoder", None) is None):
+    raise ConfigError("--interleave_dense times the dense FFN beside --sparse=gate|contribution"
+                      "|predictor decode on host weights: add one of them and -n > 0, or drop "
+                      "it.")
+  if interleave_gate and (model.sparse_mode != "predictor" or not n_gen
+                          or getattr(model.backend, "decoder", None) is None):
+    raise ConfigError("--interleave_gate times the gate-first FFN beside --sparse=predictor "
+                      "decode of a PowerInfer GGUF: add --sparse=predictor and -n > 0, or drop "
+                      "it.")
+  if interleave_dense or interleave_gate:
+    switches = _mode_switches(model, dense=interleave_dense, gate=interleave_gate)
+    switch = lambda m: switches[m]()  # noqa: E731
   tests = []
   if n_prompt:
     tests.append((bench_prefill(model, n_prompt, reps), model.sparse_mode))
@@ -206,14 +238,14 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
       from host_ops import common as host_common
       from host_ops import decoder as host_decoder
       shape = (dec_phases.n_layers, len(host_decoder.PHASES))
-      counts = {m: np.zeros(shape, np.int64)
-                for m in ((None,) if switch is None else (False, True))}
+      counts = {m: np.zeros(shape, np.int64) for m in (tuple(switches) or (None,))}
       warm_up = np.zeros(shape, np.int64)  # Rep 0 is counted apart, as its tokens/s are.
       before_rep = lambda m, rep: setattr(  # noqa: E731
           dec_phases, "phase_cycles", counts[m] if rep else warm_up)
       c0, t0 = host_common.read_cycle_counter(), time.perf_counter()
     try:
-      r = bench_decode(model, n_gen, reps, switch=switch, before_rep=before_rep)
+      r = bench_decode(model, n_gen, reps, switch=switch, before_rep=before_rep,
+                       modes=tuple(switches) or (False, True))
     finally:
       if dec_phases is not None:
         dec_phases.phase_cycles = None
@@ -225,7 +257,9 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
       steps = reps * n_gen * dec_phases.n_layers  # Forward calls (one per decoded token) x L.
       layer_us = {m: {p: float(c[:, k].sum() / hz / steps * 1e6)
                       for k, p in enumerate(host_decoder.PHASES)} for m, c in counts.items()}
-    tests += [(r[0], model.sparse_mode), (r[1], "off")] if switch else [(r, model.sparse_mode)]
+    # The model's own mode first, then the interleaved ones (off last).
+    tests += [(r[m], m) for m in reversed(tuple(switches))] if switch else \
+        [(r, model.sparse_mode)]
   size = weights_size_bytes(model)
   rows = []
   for r, mode in tests:
@@ -235,17 +269,24 @@ def run(model, *, n_prompt: int, n_gen: int, reps: int, threads: int,
            "test": r.test, "t_s_mean": r.mean, "t_s_sd": r.sd, "compile_s": r.compile_s,
            "ffn_sparsity": r.ffn_sparsity, "reps": len(r.tokens_per_s)}
     if r.test.startswith("tg"):
+      if switch:  # Each interleaved mode's bytes with its own rows and read counts.
+        switch(mode)
       read, dense = weight_bytes_per_token(model, r.ffn_sparsity)
       if mode == "off":
         read = dense
       row.update(weight_bytes_per_token=read, dense_weight_bytes_per_token=dense,
                  implied_gb_s=read * r.mean / 1e9, ideal_speedup=dense / read)
       if layer_us:
-        # Keys: None for a single mode (dense or sparse), else False (dense) / True (sparse).
-        row["layer_us"] = layer_us[None if not switch else mode != "off"]
+        # Keys: None for a single mode (dense or sparse), else the interleaved modes.
+        row["layer_us"] = layer_us[None if not switch else mode]
     rows.append(row)
-  if switch:
-    rows[-2]["vs_dense"] = rows[-2]["t_s_mean"] / rows[-1]["t_s_mean"]
+  if switch:  # Ratios of mean tokens/s to the interleaved modes, on the model's own row.
+    switch(own_mode)
+    tg = {row["mode"]: row for row in rows if row["test"].startswith("tg")}
+    own = tg[own_mode]
+    for other, key in (("off", "vs_dense"), ("gate", "vs_gate")):
+      if other in tg and other != own_mode:
+        own[key] = own["t_s_mean"] / tg[other]["t_s_mean"]
   return rows
 
 
@@ -314,6 +355,8 @@ def format_markdown(rows: list[dict[str, Any]]) -> str:
       gain = (r["vs_dense"] - 1) / (r["ideal_speedup"] - 1) if r["ideal_speedup"] > 1 else 0.0
       extra += (f"; vs the dense FFN interleaved in this process {r['vs_dense']:.3f}x "
                 f"({100 * gain:.0f}% of the ideal gain)")
+    if "vs_gate" in r:
+      extra += f"; vs the gate-first FFN interleaved in this process {r['vs_gate']:.3f}x"
     out.append(extra)
     if "layer_us" in r:
       phases = " | ".join(f"{p} {us:.0f}" for p, us in r["layer_us"].items())
@@ -334,9 +377,13 @@ def define_flags(threads_help: str = "Host threads (numba; XLA uses every core).
   flags.DEFINE_integer("repetitions", 5, "Timed repetitions after one warm-up.", short_name="r")
   flags.DEFINE_integer("threads", None, threads_help, short_name="t")
   flags.DEFINE_string("output", "md", "md or json.", short_name="o")
-  flags.DEFINE_bool("interleave_dense", False, "With --sparse=gate|contribution: also time the same loaded "
-                    "model's dense FFN, alternating repetitions in this process, and print the "
-                    "sparse/dense ratio (steadier than two runs on a noisy machine).")
+  flags.DEFINE_bool("interleave_dense", False, "With --sparse=gate|contribution|predictor: also "
+                    "time the same loaded model's dense FFN, alternating repetitions in this "
+                    "process, and print the sparse/dense ratio (steadier than two runs on a "
+                    "noisy machine).")
+  flags.DEFINE_bool("interleave_gate", False, "With --sparse=predictor: also time the same "
+                    "loaded model's gate-first FFN (exact ReLU zeros), alternating repetitions, "
+                    "and print the predictor/gate ratio.")
 
 
 def check_flags(f) -> None:
@@ -410,7 +457,8 @@ def main(argv: list[str]) -> None:
                           threads)
   else:
     rows = run(model, n_prompt=f.n_prompt, n_gen=f.n_gen, reps=f.repetitions, threads=threads,
-               interleave_dense=f.interleave_dense, profile_layers=f.profile_layers)
+               interleave_dense=f.interleave_dense, profile_layers=f.profile_layers,
+               interleave_gate=f.interleave_gate)
   if f.output == "json":
     sys.stdout.write(json.dumps(rows, indent=1) + "\n")
   else:

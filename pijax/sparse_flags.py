@@ -16,7 +16,8 @@ SPARSE = flags.DEFINE_enum("sparse", None, list(sparse_modes.MODES),
                            "FFN execution (pijax.sparse_modes): off = dense; gate / "
                            "contribution = a GGUF's host weights cut at run time by |act(gate)| "
                            "/ by |act(gate) * up|; oracle = a bundle's true active sets "
-                           "(correctness); predictor = a bundle's predictors.")
+                           "(correctness); predictor = a bundle's predictors or a PowerInfer "
+                           "GGUF's own.")
 # Forward passes over this many tokens or more compute every neuron: on dev-2c (SmolLM2,
 # low-bit predictor, hot_ratio 0) per-token sets win at 1-2 tokens and lose from 3 on, where
 # the union of the tokens' active sets is already 85% of the neurons (BUILD_NOTES.md, issue 4;
@@ -145,10 +146,13 @@ def check(cfg: Any = None, model: str | None = None) -> None:
   # The mode against the model (a bundle or a plain GGUF) and the combinations refused, all
   # before a model loads (a server would otherwise load and compile first).
   mode = pick(SPARSE, "sparse") or sparse_modes.OFF
-  bundle = None
+  bundle, predictors = None, False
   if model is not None and model != "default":
     from pijax.formats import bundle as bundle_lib
     bundle = bundle_lib.is_bundle(model) if os.path.exists(model) else None
+    if bundle is False:
+      from pijax.formats import powerinfer
+      predictors = powerinfer.has_predictors(model)
   elif model == "default":
     bundle = False
   sparse_modes.check(mode)  # The mode against the model: last, after the flag combinations.
@@ -184,7 +188,7 @@ def check(cfg: Any = None, model: str | None = None) -> None:
   if dot is not None and pick(HOST_WEIGHTS, "host_weights") == "off":
     raise ConfigError(f"--host_dot={dot} sets how host weights multiply, but --host_weights=off "
                       "keeps the weights in XLA; drop --host_dot or use --host_weights=gguf.")
-  sparse_modes.check(mode, bundle=bundle)
+  sparse_modes.check(mode, bundle=bundle, predictors=predictors)
 
 
 def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> None:
@@ -210,6 +214,14 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
   kind = pick(PREDICTOR_KIND, "predictor_kind") or "auto"
   dense_tokens = pick(PREFILL_DENSE_TOKENS, "prefill_dense_tokens")
   host_weights = pick(HOST_WEIGHTS, "host_weights") or "auto"
+  if model.sparse is None and mode == sparse_modes.PREDICTOR:
+    # A PowerInfer GGUF's own predictors on the host engine (Model.configure_sparse checks
+    # that the file has them).
+    if threads is not None:
+      from pijax.backends import host
+      host.set_threads(threads)
+    model.configure_sparse(mode, weights=host_weights, dot=pick(HOST_DOT, "host_dot"))
+    return
   if mode in (sparse_modes.OFF,) + sparse_modes.HOST_MODES and model.sparse is None:
     # A plain GGUF runs dense or host-sparse; placement flags mean nothing there.
     # Silent on purpose: stderr stays one stats line (or one error line); bench and the

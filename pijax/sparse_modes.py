@@ -7,7 +7,8 @@
                 the exact zeros; SwiGLU: cuts calibrated on text for a target sparsity).
   contribution  the same host weights, cut on the exact contribution |act(gate) * up|: every
                 up row is read, only the down rows of small contributions are skipped.
-  predictor     a bundle's predictors say which neurons fire (PowerInfer's runtime).
+  predictor     predictors say which neurons fire (PowerInfer's runtime): a bundle's, or a
+                PowerInfer GGUF's own (fc1/fc2 per layer, its threshold; host engine).
 
 `check` is the one place that says which mode fits which model; the CLIs call it before a
 model loads (from the path), `Model.configure_sparse` after.
@@ -26,23 +27,29 @@ REMOVED_FLAGS = {"gate_sparse": "--sparse=gate",
                  "gate_rule": "--sparse=gate or --sparse=contribution"}
 
 
-def check(mode: str, *, bundle: bool | None = None) -> str:
+def check(mode: str, *, bundle: bool | None = None, predictors: bool = False) -> str:
   """mode if it is one of MODES and fits the model, else ConfigError in one line.
 
   Args:
     mode: one of MODES.
     bundle: whether the model is a bundle folder (None: not known yet).
+    predictors: whether a plain GGUF carries PowerInfer's predictors (`powerinfer.has_predictors`):
+      then predictor runs it.
 
   Raises:
-    ConfigError: an unknown mode; gate / contribution on a bundle; oracle / predictor on a
-      plain GGUF.
+    ConfigError: an unknown mode; gate / contribution on a bundle; oracle on a plain GGUF;
+      predictor on a plain GGUF without predictors.
   """
   if mode not in MODES:
     raise ConfigError(f"--sparse={mode!r} must be one of {', '.join(MODES)}.")
   if bundle is True and mode in HOST_MODES:
     raise ConfigError(f"--sparse={mode} cuts a plain GGUF's host weights at run time; a bundle "
                       f"runs --sparse=predictor or oracle (or give its source GGUF for {mode}).")
-  if bundle is False and mode in BUNDLE_MODES:
+  if bundle is False and mode == PREDICTOR and not predictors:
+    raise ConfigError("--sparse=predictor needs predictors: a PowerInfer GGUF (with per-layer "
+                      "fc1/fc2), or a bundle made with `python -m pijax.convert` (or use "
+                      "--sparse=gate or contribution on this GGUF).")
+  if bundle is False and mode in BUNDLE_MODES and mode != PREDICTOR:
     raise ConfigError(f"--sparse={mode} needs a bundle's predictors and statistics: make one "
                       "with `python -m pijax.convert` (or use --sparse=gate or contribution "
                       "on this GGUF).")

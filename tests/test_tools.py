@@ -77,7 +77,7 @@ def test_perplexity_cli_format(shared_dir):
     ("pijax.eval_predictors", ["--model=default", "--text=/nonexistent.txt"],
      "/nonexistent.txt: cannot read text"),
     ("pijax.generate", ["--config=configs/smollm2_135m.py", "--prompt=Hi", "--sparse=predictor"],
-     "needs a bundle"),
+     "--sparse=predictor needs predictors"),
     ("pijax.profile", ["--calibration=README.md", "--out=/tmp/pijax-unused", "--max_tokens=-5"],
      "--max_tokens=-5"),
     ("pijax.profile", ["--calibration=README.md", "--out=README.md"], "--out=README.md"),

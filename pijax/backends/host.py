@@ -31,6 +31,7 @@ import numpy as np
 import host_ops
 from host_ops import decoder as decoder_lib
 from host_ops import gated_ffn
+from host_ops import predicted_ffn
 from host_ops import qconcat
 from host_ops import qmatmul
 from pijax.formats import gguf as gguf_io
@@ -228,6 +229,8 @@ class HostBackend(base.Backend):
   def mode(self) -> str:
     if self.bundle_mode is not None:
       return self.bundle_mode
+    if self.decoder.thresholds is not None:
+      return "predictor"
     if self.decoder.gate_cuts is None:
       return "off"
     return "gate" if self.decoder.contribution_cuts is None else "contribution"
@@ -333,8 +336,11 @@ class HostBackend(base.Backend):
 
   # ----------------------------------------------------------------------------- accounting
   def weight_bytes_per_token(self, ffn_sparsity: float = 0.0) -> tuple[int, int]:
-    """GGUF block bytes (gate-first: every gate row, the active share of up and down rows)."""
-    active = None if self.decoder.gate_cuts is None else 1.0 - ffn_sparsity
+    """GGUF block bytes (gate-first: every gate row, the active share of up and down rows;
+    predicted: the predictors, the computed share of gate rows, the measured shares of up and
+    down rows: `HostDecoder.ffn_bytes_per_token`)."""
+    sparse = self.decoder.gate_cuts is not None or self.decoder.thresholds is not None
+    active = 1.0 - ffn_sparsity if sparse else None
     return self.decoder.bytes_per_token(active), self.decoder.bytes_per_token()
 
   def weight_bytes(self) -> int:
@@ -364,7 +370,7 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
           calibration_chunks=None, gate_sparsity: float = 0.5,
           dot: str = qmatmul.DOT_INT8, gate_down: str | None = None,
           gate_rule: str = GATE_RULE_GATE, contribution_cuts=None,
-          bundle_mode: str | None = None) -> HostBackend:
+          bundle_mode: str | None = None, predictors=None) -> HostBackend:
   """A HostBackend for a GGUF, its numba kernels loaded (compiled on first use) before returning.
 
   Args:
@@ -380,6 +386,8 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
     contribution_cuts: float[L] cuts on |act(g, u)| given, not calibrated (a bundle's
       thresholds, `for_bundle`); with gate_cuts, in place of calibration_chunks.
     bundle_mode: the bundle's --sparse mode this backend runs (`HostBackend.mode`).
+    predictors: a PowerInfer file's `powerinfer.Predictors`: the predicted sparse FFN
+      (`HostDecoder.enable_predicted`) with its fc1/fc2 blocks and threshold; None = off.
 
   Raises:
     ConfigError, GGUFError: see `build_decoder`; UnsupportedError for a family it cannot run.
@@ -405,10 +413,33 @@ def build(config: ModelConfig, path: str, weights: str, *, gate_cuts=None,
         dec.enable_gated([0.0] * dec.n_layers, down_format=gate_down, contribution_cuts=cuts)
       else:
         dec.enable_gated(cuts, down_format=gate_down)
+    if predictors is not None:
+      dec.enable_predicted(*predictor_matrices(predictors), down_format=gate_down)
+      heap.release_free_heap()
+      dec.forward(cache, np.zeros((1, rows), np.int64), 0)  # Its kernels loaded too.
+      dec.forward(cache, np.zeros((1, 1), np.int64), rows)
     heap.release_free_heap()
   except host_ops.HostOpError as err:
     raise ConfigError(f"--host_weights={weights}: {err}") from None
   return HostBackend(config, dec, weights, bundle_mode)
+
+
+def predictor_matrices(predictors) -> tuple[list, list, list[float]]:
+  """(fc1s, fc2s, thresholds) for `HostDecoder.enable_predicted` from a PowerInfer file's
+  `powerinfer.Predictors`: each matrix in its own blocks where a host kernel reads its type
+  (Q4_0, Q5_0, F16, ...; `qmatmul.GGML_KINDS`), else re-quantized to Q8_0 from its values.
+
+  Raises:
+    GGUFError: a matrix that cannot be read.
+  """
+  def matrix(m):
+    kind = qmatmul.GGML_KINDS.get(m.ggml_type)
+    if kind is not None and m.shape[1] % qmatmul.block_size(kind) == 0:
+      return qmatmul.from_gguf_blocks(kind, m.data, m.shape)
+    return qmatmul.quantize_q8_0(m.f32())
+  fc1s = [matrix(p.fc1) for p in predictors.layers]
+  fc2s = [matrix(p.fc2) for p in predictors.layers]
+  return fc1s, fc2s, [predictors.threshold] * len(fc1s)
 
 
 def set_threads(threads: int) -> None:
@@ -454,7 +485,7 @@ def calibration_chunks(model, path: str | None, n_chunks: int = 8, length: int =
 def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
               gate_sparsity: float = 0.5, calibration_file: str | None = None,
               dot: str | None = None, gate_down: str | None = None,
-              gate_rule: str | None = None) -> base.Backend:
+              gate_rule: str | None = None, predictor: bool = False) -> base.Backend:
   """The backend for a dense run of `model` (`pijax.engine.Model`) with `--host_weights`.
 
   Args:
@@ -476,6 +507,9 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
     dot: "int8" (every matmul, prefill included, quantizes activations per block and sums
       integer products, llama.cpp's arithmetic; the default) or "f32" (exact f32 activations;
       slower).
+    predictor: a PowerInfer GGUF's own predictors and threshold (`powerinfer.read_predictors`)
+      run the predicted sparse FFN (`host_ops.predicted_ffn`; ReGLU/dReLU); weights "auto"
+      means "gguf" then (the derived down projection re-quantized to Q8_0 for the dense path).
 
   Returns:
     A HostBackend, or the dense XlaBackend when the choice is "off".
@@ -489,13 +523,24 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
     raise ConfigError(f"--gate_sparsity={gate_sparsity} must be in [0, 1).")
   if dot is not None and dot not in qmatmul.DOTS:
     raise ConfigError(f"--host_dot={dot!r} must be one of {', '.join(qmatmul.DOTS)}.")
+  if predictor and (gate_sparse or model.sparse is not None):
+    raise ConfigError("--sparse=predictor runs a PowerInfer GGUF's own predictors; it does not "
+                      "combine with --sparse=gate|contribution or a bundle's.")
+  if predictor and weights == WEIGHTS_AUTO:
+    weights = WEIGHTS_GGUF  # The predicted FFN runs on host weights only.
   weights = choose_weights(weights, path=model.path, dtype=model.dtype,
                            is_bundle=model.sparse is not None)
+  if predictor and (weights == WEIGHTS_OFF or
+                    model.config.ffn_family not in predicted_ffn.RELU_FAMILIES):
+    raise ConfigError(f"--sparse=predictor runs on quantized host weights (not "
+                      f"--host_weights=off) for ReGLU/dReLU FFNs; this run: --host_weights="
+                      f"{weights}, FFN {model.config.ffn_family}.")
   if dot is not None and weights == WEIGHTS_OFF:
     raise ConfigError(f"--host_dot={dot} sets how host weights multiply, but this run keeps "
                       "the weights in XLA (--host_weights=off, a non-float32 dtype or a "
                       "GGUF with other types); drop --host_dot or use --host_weights=gguf.")
-  if gate_down is not None and (not gate_sparse or gate_down not in gated_ffn.DOWN_KINDS):
+  if gate_down is not None and (not (gate_sparse or predictor)
+                                or gate_down not in gated_ffn.DOWN_KINDS):
     raise ConfigError(f"--gate_down={gate_down} sets the down rows of --sparse=gate or "
                       f"contribution: use one of {', '.join(gated_ffn.DOWN_KINDS)} with one of "
                       "them, or drop it.")
@@ -515,10 +560,14 @@ def for_model(model, weights: str = WEIGHTS_AUTO, *, gate_sparse: bool = False,
   if gate_sparse and gate_sparsity > 0 and (model.config.ffn_family == "swiglu" or
                                             gate_rule == GATE_RULE_CONTRIBUTION):
     chunks = calibration_chunks(model, calibration_file)
+  predictors = None
+  if predictor:
+    from pijax.formats import powerinfer
+    predictors = powerinfer.read_predictors(model.path)
   return build(model.config, model.path, weights, gate_cuts=gate_sparse or None,
                calibration_chunks=chunks, gate_sparsity=gate_sparsity,
                dot=qmatmul.DOT_INT8 if dot is None else dot, gate_down=gate_down,
-               gate_rule=gate_rule)
+               gate_rule=gate_rule, predictors=predictors)
 
 
 # Families whose bundle runs `--sparse=predictor` on the host engine with the contribution rule

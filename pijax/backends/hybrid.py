@@ -147,6 +147,10 @@ def for_model(model, mode: str = hybrid_lib.MODE_OFF, *, hot_ratio: float | None
   if mode == hybrid_lib.MODE_OFF:  # Dense: leave a dense backend (XLA or host) as it is.
     if isinstance(model.backend, HybridBackend):
       return xla.XlaBackend(model.config, model.params, model.dtype)
+    if isinstance(model.backend, host.HostBackend) and model.backend.bundle_mode is None:
+      # A GGUF's host weights: its sparse FFN off (the copies kept for a later switch).
+      model.backend.decoder.enable_gated(None)
+      model.backend.decoder.enable_predicted(None)
     return model.backend
   hot_counts = None
   if hot_ratio is not None or device_budget_gb is not None:

@@ -73,6 +73,18 @@ def is_powerinfer(path: str | os.PathLike[str]) -> bool:
     return False
 
 
+def has_predictors(path: str | os.PathLike[str]) -> bool:
+  """Whether the file is a PowerInfer GGUF listing a predictor (`blk.N.fc1.weight`), from its
+  header (False when unreadable; `read_predictors` checks every layer at load)."""
+  if not is_powerinfer(path):
+    return False
+  try:
+    reader, _ = gguf_io.open_gguf(os.fspath(path))
+  except (GGUFError, OSError, ValueError):
+    return False
+  return any(t.name == FC1.format(i=0) for t in reader.tensors)
+
+
 def gpuidx_path(model_path: str | os.PathLike[str]) -> str:
   """Where PowerInfer looks for a model's placement file: `<model>.generated.gpuidx`."""
   return os.fspath(model_path) + ".generated.gpuidx"
