@@ -17,6 +17,7 @@ from host_ops import gated_ffn
 from host_ops import pool as pool_lib
 from host_ops import predicted_ffn
 from host_ops import qblocks
+from host_ops import qdot
 from host_ops import qmatmul
 from host_ops.common import HostOpError
 from host_ops.layers import NO_PREDICTOR, RECORD_CONTRIBUTION, RECORD_GATE
@@ -151,12 +152,15 @@ class SparseFFN:
     `gated_ffn.FileDownRows`), None before any were built."""
     return self._down_t
 
-  def _stacked_rows(self, name: str) -> np.ndarray:
+  def _stacked_rows(self, name: str, layout: int = -1) -> np.ndarray:
     """u8[L, F, row bytes]: every layer's `name` ("gate" | "up") rows as their file blocks,
-    stacked (64-byte aligned; one layer's copy at a time)."""
+    stacked (64-byte aligned; one layer's copy at a time); with layout
+    `predicted_ffn.Q4_0_RECORDS` (Q4_0 rows) in that layout."""
     out = None
     for i, layer in enumerate(self.layers):
       rows = pool_lib.file_rows(getattr(layer, name).parts[0])
+      if layout == predicted_ffn.Q4_0_RECORDS:
+        rows = predicted_ffn.q4_0_records(rows.view(np.uint8))
       if out is None:
         out = common.empty_aligned((self.n_layers,) + rows.shape, np.uint8)
       out[i] = rows.view(np.uint8)
@@ -224,8 +228,11 @@ class SparseFFN:
     self._ensure_down_rows(self._down_format(down_format))
     self._build_predictor_pool([(a, b) for a, b in zip(fc1s, fc2s)])
     if self._pred_rows is None:
-      self._pred_rows = (self._stacked_rows("gate"), self._stacked_rows("up"),
-                         np.int64(qblocks.KIND_CODES[self._up_kind()]))
+      # Q4_0 in `predicted_ffn.Q4_0_RECORDS` (where integer dots exist; f32 dots read it too).
+      kind = qblocks.KIND_CODES[self._up_kind()]
+      layout = predicted_ffn.gather_kind(kind, qdot.AVAILABLE)
+      self._pred_rows = (self._stacked_rows("gate", layout), self._stacked_rows("up", layout),
+                         np.int64(layout))
     self.gate_cuts = self.contribution_cuts = None
     self.thresholds = thresholds
     self._pred = (self._pred_pool.pool, self._pred_pool.mats, self._pred_roles,

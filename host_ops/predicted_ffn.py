@@ -16,9 +16,11 @@ So an unpredicted neuron reads no gate, up or down row. A missed neuron (truly a
 predicted) is dropped: the result is the dense FFN with the unpredicted neurons zeroed
 (`predicted_ffn_reference`), equal to it when the predicted set holds every g > 0.
 
-Rows are gathered from their file blocks, any kind `host_ops.qblocks` reads (Q4_0 in
-PowerInfer's Q4_0 files): `gathered_dots` takes one row per id through `qblocks.row_dot_int8`
-(h quantized per 32 values, as the dense products read it) or `qblocks.row_dot` (f32). The
+Rows are gathered from their file blocks, any kind `host_ops.qblocks` reads: `gathered_dots`
+takes one row per id through `qblocks.row_dot_int8` (h quantized per 32 values, as the dense
+products read it) or `qblocks.row_dot` (f32). Q4_0 rows (PowerInfer's Q4_0 files) with integer
+dots are re-laid as `Q4_0_RECORDS` (codes, then scales; the same bytes) and dotted as Q4_1 with
+offsets -8 d by the gate-first up pass's pair kernel (`qdot.row_dot_q4_0_pairs_far`). The
 predictor's two products run in the decoder's own pooled kernels (`host_ops.layers`); the down
 rows are `host_ops.gated_down`'s.
 
@@ -47,6 +49,10 @@ from host_ops.common import HostOpError
 # Rows ahead that a gathered pass prefetches (into L2 for rows of >= 1 KB, `common.far_gather`;
 # the gate-first up pass measured 4 best on 7B rows: `gated_ffn.FAR_AHEAD`).
 AHEAD = 4
+# The kind code (beside `qblocks`' codes) of Q4_0 rows in this module's own layout: per row its
+# 16-byte code groups back to back (D/2 bytes), then its f16 scales (D/16 bytes), zero-padded
+# to a multiple of 64 bytes (`q4_0_records`), dotted by `qdot.row_dot_q4_0_pairs_far`.
+Q4_0_RECORDS = 100
 # The families whose inactive neurons are exact zeros (g <= 0), the only ones predicted here.
 RELU_FAMILIES = ("reglu", "drelu")
 RELU_CODES = tuple(common.FAMILY_CODES[f] for f in RELU_FAMILIES)
@@ -69,14 +75,129 @@ def predicted_ids(logits, threshold):
   return ids, counts
 
 
+def q4_0_records(rows: np.ndarray) -> np.ndarray:
+  """u8[..., R]: Q4_0 rows u8[..., D/32 * 18] (file blocks: f16 d, 16 code bytes) in the
+  `Q4_0_RECORDS` layout, R = D/2 + D/16 rounded up to 64 (7B's D = 4096: 2304, the file's row
+  bytes). The gathered gate rows of 7B Q4_0 in file blocks read ~9.5 GB/s through
+  `qblocks.row_dot_int8`; codes in 32-byte vectors with their scales apart feed the Q4_1 pair
+  dot (`row_dot_q4_0_pairs_far`), which the gate-first up pass runs faster. 64-byte aligned."""
+  rows = np.asarray(rows, np.uint8)
+  nb = rows.shape[-1] // 18
+  lead = rows.shape[:-1]
+  blocks = rows.reshape(lead + (nb, 18))
+  nq, width = 16 * nb, 18 * nb
+  out = common.empty_aligned(lead + (-(-width // 64) * 64,), np.uint8)
+  out[..., :nq] = blocks[..., 2:].reshape(lead + (nq,))
+  out[..., nq:width] = blocks[..., :2].reshape(lead + (2 * nb,))
+  out[..., width:] = 0
+  return out
+
+
+def gather_kind(kind: int, int8: bool) -> int:
+  """The kind code `gathered_dots` reads rows of qblocks kind code `kind` in fastest:
+  `Q4_0_RECORDS` for Q4_0 with integer dots, else kind (file blocks)."""
+  return Q4_0_RECORDS if kind == qblocks.Q4_0 and int8 else kind
+
+
+def gather_rows(rows: np.ndarray, kind: int, int8: bool) -> tuple[np.ndarray, int]:
+  """(rows, kind code) in `gather_kind`'s layout. rows: u8[..., row bytes] file blocks of
+  qblocks kind code `kind`."""
+  if gather_kind(kind, int8) == Q4_0_RECORDS:
+    return q4_0_records(rows), Q4_0_RECORDS
+  return rows, kind
+
+
+@numba.njit(inline="always", **common.JIT)
+def _record_parts(row, dim):
+  """A `Q4_0_RECORDS` row u8[R] of dim weights -> (codes u8[D/2], scales u16[D/32] f16 bits)."""
+  nq = dim // 2
+  return row[:nq], row[nq:nq + dim // 16].view(np.uint16)
+
+
+@numba.njit(**common.JIT)
+def _record_dot_f32(row, x):
+  """f32: a `Q4_0_RECORDS` row . x (f32[D]), w = d (q - 8) per 32 weights."""
+  qs, d = _record_parts(row, x.shape[0])
+  acc = np.float32(0.0)
+  for blk in range(d.shape[0]):
+    s = np.float32(0.0)
+    for k in range(16):
+      c = np.int32(qs[16 * blk + k])
+      s += (np.float32((c & 15) - 8) * x[32 * blk + k]
+            + np.float32((c >> 4) - 8) * x[32 * blk + 16 + k])
+    acc += qblocks.f16_to_f32(d[blk]) * s
+  return acc
+
+
+if qdot.AVAILABLE:
+  @numba.njit(inline="always", **common.JIT)
+  def _record_dot_int8(row, xqp, dx, xsum, nxt, far):
+    """f32: a `Q4_0_RECORDS` row . x_hat (xqp: i8[D] in `qdot.pair_blocks`' layout, dx, xsum:
+    f32[D/32]), prefetching the codes of the record nxt (into L2 when far) over the row."""
+    qs, d = _record_parts(row, xqp.shape[0])
+    nqs = nxt[:qs.shape[0]]
+    if far:
+      return qdot.row_dot_q4_0_pairs_far(qs, d, xqp, dx, xsum, nqs)
+    return qdot.row_dot_q4_0_pairs_next(qs, d, xqp, dx, xsum, nqs)
+else:  # No AVX2: the decoder's dots are f32 (never compiled with int8 true).
+  @numba.njit(inline="always", **common.JIT)
+  def _record_dot_int8(row, xqp, dx, xsum, nxt, far):
+    """`_record_dot_f32` stand-in where `qdot` is not available (unreached)."""
+    return np.float32(0.0)
+
+
 @numba.njit(parallel=True, **common.JIT)
+def _gathered_records(rows, ids, counts, xq, dx, xsum, x, int8, n_threads):
+  """`gathered_dots` for `Q4_0_RECORDS` rows u8[F, R]: each thread's next rows prefetched
+  AHEAD ahead, whole for the first, then per row the scales of the row AHEAD on and its codes
+  spread over this row's dot (`gated_ffn.up_pass_int8`'s scheme)."""
+  b = ids.shape[0]
+  dim = x.shape[1]
+  out = np.empty((b, ids.shape[1]), np.float32)
+  xqp = qdot.pair_blocks(xq) if int8 else xq
+  far = common.far_gather(dim // 2)
+  ahead = AHEAD if far else 1
+  nq = dim // 2
+  for t in numba.prange(n_threads):
+    for r in range(b):
+      lo = t * counts[r] // n_threads
+      hi = (t + 1) * counts[r] // n_threads
+      for j in range(lo, min(lo + ahead, hi)):
+        if far:
+          common.prefetch_row_l2(rows[ids[r, j]])
+        else:
+          common.prefetch_row(rows[ids[r, j]])
+      for j in range(lo, hi):
+        i = ids[r, j]
+        nxt = ids[r, j + ahead] if j + ahead < hi else i
+        if far:
+          common.prefetch_row_l2(rows[nxt, nq:])
+        else:
+          common.prefetch_row(rows[nxt, nq:])
+        if int8:
+          out[r, j] = _record_dot_int8(rows[i], xqp[r], dx[r], xsum[r], rows[nxt], far)
+        else:
+          out[r, j] = _record_dot_f32(rows[i], x[r])
+  return out
+
+
+@numba.njit(**common.JIT)
 def gathered_dots(kind, rows, ids, counts, xq, dx, xsum, x, int8, n_threads):
   """out f32[b, F]: out[r, j] = rows[ids[r, j]] . x[r] for j < counts[r] (compact: position j
   of row r's list, the rest unset).
 
-  kind: a `qblocks` kind code; rows: u8[F, row bytes] (file blocks); ids: i32[b, F]; x: f32[b,
-  D]. int8 (a kind of qblocks.INT8_KINDS): x as quantized per 32 values (xq i8[b, D], dx and
-  xsum f32[b, D/32], `act_quant.quantize_32`); else f32 with xsum the block sums of x."""
+  kind: a `qblocks` kind code or `Q4_0_RECORDS`; rows: u8[F, row bytes] (file blocks, or
+  records); ids: i32[b, F]; x: f32[b, D]. int8 (a kind of qblocks.INT8_KINDS, or records): x as
+  quantized per 32 values (xq i8[b, D], dx and xsum f32[b, D/32], `act_quant.quantize_32`);
+  else f32 with xsum the block sums of x."""
+  if kind == Q4_0_RECORDS:
+    return _gathered_records(rows, ids, counts, xq, dx, xsum, x, int8, n_threads)
+  return _gathered_file(kind, rows, ids, counts, xq, dx, xsum, x, int8, n_threads)
+
+
+@numba.njit(parallel=True, **common.JIT)
+def _gathered_file(kind, rows, ids, counts, xq, dx, xsum, x, int8, n_threads):
+  """`gathered_dots` for file blocks of qblocks kind code `kind`, rows prefetched AHEAD ahead."""
   b = ids.shape[0]
   out = np.empty((b, ids.shape[1]), np.float32)
   far = common.far_gather(rows.shape[1])
@@ -224,9 +345,11 @@ def predicted_ffn(x, h, fc1: qmatmul.QMatrix, fc2: qmatmul.QMatrix, threshold: f
     raise HostOpError(f"predicted_ffn: threshold must be finite in f32, got {threshold}")
   z = np.maximum(fc1.matmul(x, dot=dot), np.float32(0.0))
   logits = fc2.matmul(np.ascontiguousarray(z), dot=dot)
-  return _predicted_kernel(logits, threshold, h, file_rows(gate), file_rows(up),
-                           qblocks.KIND_CODES[gate.kind], code, down_t.arrays,
-                           int8_dots(gate.kind, dot), common.ensure_host_threads(),
+  int8 = int8_dots(gate.kind, dot)
+  gate_rows, kind = gather_rows(file_rows(gate), qblocks.KIND_CODES[gate.kind], int8)
+  up_rows, _ = gather_rows(file_rows(up), qblocks.KIND_CODES[gate.kind], int8)
+  return _predicted_kernel(logits, threshold, h, gate_rows, up_rows, np.int64(kind), code,
+                           down_t.arrays, int8, common.ensure_host_threads(),
                            np.int64(qmatmul.BLOCK))
 
 

@@ -14,6 +14,7 @@ from host_ops import common
 from host_ops import decoder as decoder_lib
 from host_ops import gated_down
 from host_ops import predicted_ffn
+from host_ops import qblocks
 from host_ops import qdot
 from host_ops import qmatmul
 from host_ops.common import HostOpError
@@ -87,6 +88,37 @@ def _dense_acts(gate, up, h, family, dot):
   g = predicted_ffn._product_reference(gate, h, int8)
   u = predicted_ffn._product_reference(up, h, int8)
   return common.activation_reference(g, u, family)
+
+
+@pytest.mark.parametrize("dot", ["f32", "int8"])
+@pytest.mark.parametrize("n,dim", [(37, 96), (64, 4096), (5, 32)])
+def test_q4_0_records_match_file_rows(n, dim, dot):
+  """Q4_0 rows in `Q4_0_RECORDS` hold the file's codes and scales, and their gathered dots equal
+  the file blocks' (and the f64 product) for odd row and block counts, empty, partial and full
+  id lists."""
+  rng = np.random.default_rng(n + dim)
+  w = _q4_0(rng, n, dim)
+  rows = predicted_ffn.file_rows(w)
+  records, kind = predicted_ffn.gather_rows(rows, qblocks.Q4_0, True)
+  nb = dim // 32
+  assert kind == predicted_ffn.Q4_0_RECORDS and records.shape[1] % 64 == 0
+  blocks = rows.reshape(n, nb, 18)
+  np.testing.assert_array_equal(records[:, :16 * nb], blocks[:, :, 2:].reshape(n, -1))
+  np.testing.assert_array_equal(records[:, 16 * nb:18 * nb], blocks[:, :, :2].reshape(n, -1))
+  int8 = dot == "int8" and qdot.AVAILABLE
+  h = rng.standard_normal((3, dim)).astype(np.float32)
+  ids = np.tile(np.arange(n, dtype=np.int32), (3, 1))
+  ids[1, :n // 2] = np.sort(rng.choice(n, n // 2, replace=False))
+  counts = np.array([0, n // 2, n], np.int64)
+  xq, dx, xs = predicted_ffn.row_activations(h, int8)
+  got = predicted_ffn.gathered_dots(kind, records, ids, counts, xq, dx, xs, h, int8, 2)
+  want = predicted_ffn.gathered_dots(qblocks.Q4_0, rows, ids, counts, xq, dx, xs, h, int8, 2)
+  ref = predicted_ffn._product_reference(w, h, int8)
+  for r in range(3):
+    c = counts[r]
+    scale = np.abs(ref[r]).max()
+    np.testing.assert_allclose(got[r, :c], want[r, :c], rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(got[r, :c], ref[r, ids[r, :c]], rtol=0, atol=1e-5 * scale)
 
 
 def test_predicted_ffn_refuses_what_it_cannot_run():
