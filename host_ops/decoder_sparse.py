@@ -155,12 +155,12 @@ class SparseFFN:
   def _stacked_rows(self, name: str, layout: int = -1) -> np.ndarray:
     """u8[L, F, row bytes]: every layer's `name` ("gate" | "up") rows as their file blocks,
     stacked (64-byte aligned; one layer's copy at a time); with layout
-    `predicted_ffn.Q4_0_RECORDS` (Q4_0 rows) in that layout."""
+    a `predicted_ffn.RECORDS` code, in that record layout (`predicted_ffn.records`)."""
     out = None
     for i, layer in enumerate(self.layers):
       rows = pool_lib.file_rows(getattr(layer, name).parts[0])
-      if layout == predicted_ffn.Q4_0_RECORDS:
-        rows = predicted_ffn.q4_0_records(rows.view(np.uint8))
+      if layout >= predicted_ffn.RECORDS:
+        rows = predicted_ffn.records(rows.view(np.uint8), layout - predicted_ffn.RECORDS)
       if out is None:
         out = common.empty_aligned((self.n_layers,) + rows.shape, np.uint8)
       out[i] = rows.view(np.uint8)
@@ -228,7 +228,7 @@ class SparseFFN:
     self._ensure_down_rows(self._down_format(down_format))
     self._build_predictor_pool([(a, b) for a, b in zip(fc1s, fc2s)])
     if self._pred_rows is None:
-      # Q4_0 in `predicted_ffn.Q4_0_RECORDS` (where integer dots exist; f32 dots read it too).
+      # Q4_0 / Q4_1 / Q8_0 as records (where integer dots exist; f32 dots read them too).
       kind = qblocks.KIND_CODES[self._up_kind()]
       layout = predicted_ffn.gather_kind(kind, qdot.AVAILABLE)
       self._pred_rows = (self._stacked_rows("gate", layout), self._stacked_rows("up", layout),

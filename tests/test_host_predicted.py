@@ -92,27 +92,32 @@ def _dense_acts(gate, up, h, family, dot):
 
 @pytest.mark.parametrize("dot", ["f32", "int8"])
 @pytest.mark.parametrize("n,dim", [(37, 96), (64, 4096), (5, 32)])
-def test_q4_0_records_match_file_rows(n, dim, dot):
-  """Q4_0 rows in `Q4_0_RECORDS` hold the file's codes and scales, and their gathered dots equal
-  the file blocks' (and the f64 product) for odd row and block counts, empty, partial and full
-  id lists."""
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
+def test_records_match_file_rows(kind, n, dim, dot):
+  """Rows as records (`predicted_ffn.records`) hold the file's codes, scales and offsets, and
+  their gathered dots equal the file blocks' (and the f64 product) for odd row and block
+  counts, empty, partial and full id lists."""
   rng = np.random.default_rng(n + dim)
-  w = _q4_0(rng, n, dim)
+  w = _random_matrix(rng, kind, n, dim)
   rows = predicted_ffn.file_rows(w)
-  records, kind = predicted_ffn.gather_rows(rows, qblocks.Q4_0, True)
-  nb = dim // 32
-  assert kind == predicted_ffn.Q4_0_RECORDS and records.shape[1] % 64 == 0
-  blocks = rows.reshape(n, nb, 18)
-  np.testing.assert_array_equal(records[:, :16 * nb], blocks[:, :, 2:].reshape(n, -1))
-  np.testing.assert_array_equal(records[:, 16 * nb:18 * nb], blocks[:, :, :2].reshape(n, -1))
+  code = qblocks.KIND_CODES[kind]
+  records, layout = predicted_ffn.gather_rows(rows, code, True)
+  code_bytes, head = predicted_ffn.RECORD_BLOCKS[code]
+  nb, nq = dim // 32, dim // 32 * code_bytes
+  assert layout == predicted_ffn.RECORDS + code and records.shape[1] % 64 == 0
+  blocks = rows.reshape(n, nb, code_bytes + head)
+  np.testing.assert_array_equal(records[:, :nq], blocks[:, :, head:].reshape(n, -1))
+  for k in range(head // 2):  # Scales, then (Q4_1) offsets.
+    np.testing.assert_array_equal(records[:, nq + 2 * nb * k:nq + 2 * nb * (k + 1)],
+                                  blocks[:, :, 2 * k:2 * k + 2].reshape(n, -1))
   int8 = dot == "int8" and qdot.AVAILABLE
   h = rng.standard_normal((3, dim)).astype(np.float32)
   ids = np.tile(np.arange(n, dtype=np.int32), (3, 1))
   ids[1, :n // 2] = np.sort(rng.choice(n, n // 2, replace=False))
   counts = np.array([0, n // 2, n], np.int64)
   xq, dx, xs = predicted_ffn.row_activations(h, int8)
-  got = predicted_ffn.gathered_dots(kind, records, ids, counts, xq, dx, xs, h, int8, 2)
-  want = predicted_ffn.gathered_dots(qblocks.Q4_0, rows, ids, counts, xq, dx, xs, h, int8, 2)
+  got = predicted_ffn.gathered_dots(layout, records, ids, counts, xq, dx, xs, h, int8, 2)
+  want = predicted_ffn.gathered_dots(code, rows, ids, counts, xq, dx, xs, h, int8, 2)
   ref = predicted_ffn._product_reference(w, h, int8)
   for r in range(3):
     c = counts[r]
