@@ -231,6 +231,13 @@ def test_decoder_predicted_matches_reference(family, kind, dot):
                                                    abs=1)
   dense = dec.bytes_per_token()
   assert dec.sparse_nbytes() > 0
+  # Gate and up rows as records with int8 dots, file blocks with f32, switched with the dot.
+  records = dec.dot == "int8" and kind in ("q4_0", "q8_0")
+  assert (dec._pred_rows[2] >= predicted_ffn.RECORDS) == records
+  dec.dot = "f32" if dec.dot == "int8" else "int8"
+  assert dec.thresholds == thresholds
+  assert (dec._pred_rows[2] >= predicted_ffn.RECORDS) == (dec.dot == "int8")
+  _assert_logits_match(_run(dec, tokens), decoder_lib.decoder_reference(dec, tokens), dec.dot)
   dec.enable_predicted(None)
   assert dec.thresholds is None and dec.bytes_per_token() == dense
 
