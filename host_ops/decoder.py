@@ -201,6 +201,7 @@ class HostDecoder(SparseFFN):
       self._build_pool()
       if self.predictor_roles is not None:
         self._build_predictor_pool(self.predictor_roles)
+        self._ensure_pred_rows()  # Their gate and up rows' layout follows the dot.
 
   def _check_layers(self, d: int) -> None:
     n_heads, n_kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim

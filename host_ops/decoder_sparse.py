@@ -151,12 +151,15 @@ class SparseFFN:
     `gated_ffn.FileDownRows`), None before any were built."""
     return self._down_t
 
-  def _stacked_rows(self, name: str) -> np.ndarray:
+  def _stacked_rows(self, name: str, layout: int = -1) -> np.ndarray:
     """u8[L, F, row bytes]: every layer's `name` ("gate" | "up") rows as their file blocks,
-    stacked (64-byte aligned; one layer's copy at a time)."""
+    stacked (64-byte aligned; one layer's copy at a time); with layout
+    a `predicted_ffn.RECORDS` code, in that record layout (`predicted_ffn.records`)."""
     out = None
     for i, layer in enumerate(self.layers):
       rows = pool_lib.file_rows(getattr(layer, name).parts[0])
+      if layout >= predicted_ffn.RECORDS:
+        rows = predicted_ffn.records(rows.view(np.uint8), layout - predicted_ffn.RECORDS)
       if out is None:
         out = common.empty_aligned((self.n_layers,) + rows.shape, np.uint8)
       out[i] = rows.view(np.uint8)
@@ -223,13 +226,30 @@ class SparseFFN:
     self.enable_predicted(None)
     self._ensure_down_rows(self._down_format(down_format))
     self._build_predictor_pool([(a, b) for a, b in zip(fc1s, fc2s)])
-    if self._pred_rows is None:
-      self._pred_rows = (self._stacked_rows("gate"), self._stacked_rows("up"),
-                         np.int64(qblocks.KIND_CODES[self._up_kind()]))
+    self._ensure_pred_rows()
     self.gate_cuts = self.contribution_cuts = None
     self.thresholds = thresholds
     self._pred = (self._pred_pool.pool, self._pred_pool.mats, self._pred_roles,
                   self._pred_needs, np.asarray(thresholds, np.float32)) + self._pred_rows
+
+  def _ensure_pred_rows(self) -> None:
+    """Builds the predicted FFN's gate and up rows unless held in the layout its gathered dots
+    read fastest for the decoder's dot (`predicted_ffn.gather_kind`: Q4_0 / Q4_1 / Q8_0 as
+    records with int8 dots, file blocks with f32 ones, whose records dot is a scalar loop).
+    Called again when the dot changes; the old rows are dropped first (never both held), and
+    if building fails the predicted FFN is left off."""
+    layout = predicted_ffn.gather_kind(qblocks.KIND_CODES[self._up_kind()],
+                                       self.dot == qmatmul.DOT_INT8)
+    if self._pred_rows is not None and self._pred_rows[2] == layout:
+      return
+    head, thresholds = self._pred[:5], self.thresholds  # The kernel's arguments but the rows.
+    self._pred_rows = None
+    self.enable_predicted(None)
+    self._pred_rows = (self._stacked_rows("gate", layout), self._stacked_rows("up", layout),
+                       np.int64(layout))
+    if thresholds is not None:  # A dot switch with the predicted FFN on: on again.
+      self.thresholds = thresholds
+      self._pred = head + self._pred_rows
 
   def _build_predictor_pool(self, pairs) -> None:
     """The predictors [(fc1, fc2)] per layer copied into a WeightPool of their own (packed for

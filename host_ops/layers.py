@@ -222,9 +222,9 @@ def layers_kernel(x, slots, positions, pool, mats, roles, needs, norms, extras, 
   Predicted FFN (`predicted_ffn`) when pred's thresholds are not empty: pred = (pool u8[P], mats
   i64[M, 6], roles i64[L, 2, MAX_PARTS] (fc1, fc2), needs i64[L, 2, 2]: the predictors in a
   `pool.WeightPool` of their own; thresholds f32[L]; gate_rows, up_rows u8[L, F, row bytes] file
-  blocks of the qblocks kind code pred[7]), down rows dt as gate-first; then active[i] is the
-  fraction of neurons predicted (gate rows read), passed[i] of up rows read, nonzero[i] of down
-  rows read (`NO_PREDICTOR`: off). phases:
+  blocks of the qblocks kind code pred[7], or a `predicted_ffn.RECORDS` code), down rows dt as
+  gate-first; then active[i] is the fraction of neurons predicted (gate rows read), passed[i] of
+  up rows read, nonzero[i] of down rows read (`NO_PREDICTOR`: off). phases:
   i64[L, len(PHASES)] gets each layer's cycles per phase added, or [0, ...]: nothing timed.
   record: f32[L, N, F] filled per `record_mode` (RECORD_*), or empty.
   """

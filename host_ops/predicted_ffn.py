@@ -16,9 +16,12 @@ So an unpredicted neuron reads no gate, up or down row. A missed neuron (truly a
 predicted) is dropped: the result is the dense FFN with the unpredicted neurons zeroed
 (`predicted_ffn_reference`), equal to it when the predicted set holds every g > 0.
 
-Rows are gathered from their file blocks, any kind `host_ops.qblocks` reads (Q4_0 in
-PowerInfer's Q4_0 files): `gathered_dots` takes one row per id through `qblocks.row_dot_int8`
-(h quantized per 32 values, as the dense products read it) or `qblocks.row_dot` (f32). The
+Rows are gathered from their file blocks, any kind `host_ops.qblocks` reads: `gathered_dots`
+takes one row per id through `qblocks.row_dot_int8` (h quantized per 32 values, as the dense
+products read it) or `qblocks.row_dot` (f32). Q4_0 (PowerInfer's Q4_0 files), Q4_1 and Q8_0
+rows with integer dots are re-laid as records (`records`: codes, then scales; the same bytes)
+and dotted by the gate-first up pass's kernels, Q4_0 as Q4_1 with offsets -8 d
+(`qdot.row_dot_q4_0_pairs_far`). The
 predictor's two products run in the decoder's own pooled kernels (`host_ops.layers`); the down
 rows are `host_ops.gated_down`'s.
 
@@ -47,6 +50,15 @@ from host_ops.common import HostOpError
 # Rows ahead that a gathered pass prefetches (into L2 for rows of >= 1 KB, `common.far_gather`;
 # the gate-first up pass measured 4 best on 7B rows: `gated_ffn.FAR_AHEAD`).
 AHEAD = 4
+# Kind codes (beside `qblocks`' codes) of rows in this module's record layout (`records`):
+# RECORDS + the qblocks code of Q4_0, Q4_1 or Q8_0. Per row its blocks' codes back to back,
+# then their f16 scales, then (Q4_1) their f16 offsets, zero-padded to a multiple of 64 bytes.
+RECORDS = 100
+Q4_0_RECORDS = RECORDS + qblocks.Q4_0
+Q4_1_RECORDS = RECORDS + qblocks.Q4_1
+Q8_0_RECORDS = RECORDS + qblocks.Q8_0
+# Per qblocks code of a kind with records: (code bytes, header bytes: d or d and m) per block.
+RECORD_BLOCKS = {qblocks.Q4_0: (16, 2), qblocks.Q4_1: (16, 4), qblocks.Q8_0: (32, 2)}
 # The families whose inactive neurons are exact zeros (g <= 0), the only ones predicted here.
 RELU_FAMILIES = ("reglu", "drelu")
 RELU_CODES = tuple(common.FAMILY_CODES[f] for f in RELU_FAMILIES)
@@ -69,14 +81,160 @@ def predicted_ids(logits, threshold):
   return ids, counts
 
 
+def records(rows: np.ndarray, kind: int) -> np.ndarray:
+  """u8[..., R]: rows u8[..., row bytes] (file blocks of qblocks code `kind`, a key of
+  RECORD_BLOCKS) in the record layout (`RECORDS`), R the file's row bytes rounded up to 64
+  (7B's D = 4096: Q4_0 2304, Q4_1 2560, Q8_0 4352, as the file). 64-byte aligned.
+
+  Why: the gathered 7B Q4_0 gate rows in file blocks read ~9.5 GB/s through
+  `qblocks.row_dot_int8`; codes in 32-byte vectors with their scales apart feed the gate-first
+  up pass's kernels (`qdot.row_dot_q4_1_pairs_far`, `row_dot_q8_0_far`), which read faster."""
+  code_bytes, head = RECORD_BLOCKS[kind]
+  rows = np.asarray(rows, np.uint8)
+  nb = rows.shape[-1] // (code_bytes + head)
+  lead = rows.shape[:-1]
+  blocks = rows.reshape(lead + (nb, code_bytes + head))
+  nq, width = code_bytes * nb, rows.shape[-1]
+  out = common.empty_aligned(lead + (-(-width // 64) * 64,), np.uint8)
+  out[..., :nq] = blocks[..., head:].reshape(lead + (nq,))
+  for k in range(head // 2):  # d, then (Q4_1) m: 2 bytes per block each.
+    out[..., nq + 2 * nb * k:nq + 2 * nb * (k + 1)] = \
+        blocks[..., 2 * k:2 * k + 2].reshape(lead + (2 * nb,))
+  out[..., width:] = 0
+  return out
+
+
+def gather_kind(kind: int, int8: bool) -> int:
+  """The kind code `gathered_dots` reads rows of qblocks code `kind` in fastest: RECORDS + kind
+  for Q4_0, Q4_1 and Q8_0 with integer dots, else kind (file blocks)."""
+  return RECORDS + kind if int8 and kind in RECORD_BLOCKS else kind
+
+
+def gather_rows(rows: np.ndarray, kind: int, int8: bool) -> tuple[np.ndarray, int]:
+  """(rows, kind code) in `gather_kind`'s layout. rows: u8[..., row bytes] file blocks of
+  qblocks code `kind`."""
+  layout = gather_kind(kind, int8)
+  return (records(rows, kind) if layout != kind else rows), layout
+
+
+@numba.njit(inline="always", **common.JIT)
+def _record_scales(row, dim, kind, k):
+  """Record row u8[R] of dim weights: its scales (k 0) or Q4_1 offsets (k 1), u16[D/32] f16."""
+  nq = dim if kind == Q8_0_RECORDS else dim // 2
+  nb = dim // 32
+  return row[nq + 2 * nb * k:nq + 2 * nb * (k + 1)].view(np.uint16)
+
+
+@numba.njit(**common.JIT)
+def _record_dot_f32(kind, row, x):
+  """f32: a record row (kind code `kind`) . x (f32[D]): per 32 weights w = d (q - 8) (Q4_0),
+  d q + m (Q4_1), d q (Q8_0, q signed)."""
+  dim = x.shape[0]
+  d = _record_scales(row, dim, kind, 0)
+  acc = np.float32(0.0)
+  for blk in range(d.shape[0]):
+    s = np.float32(0.0)
+    if kind == Q8_0_RECORDS:
+      for k in range(32):
+        s += np.float32(np.int8(row[32 * blk + k])) * x[32 * blk + k]
+    else:
+      off = np.int32(8) if kind == Q4_0_RECORDS else np.int32(0)
+      for k in range(16):
+        c = np.int32(row[16 * blk + k])
+        s += (np.float32((c & 15) - off) * x[32 * blk + k]
+              + np.float32((c >> 4) - off) * x[32 * blk + 16 + k])
+    acc += qblocks.f16_to_f32(d[blk]) * s
+    if kind == Q4_1_RECORDS:
+      xs = np.float32(0.0)
+      for k in range(32):
+        xs += x[32 * blk + k]
+      acc += qblocks.f16_to_f32(_record_scales(row, dim, kind, 1)[blk]) * xs
+  return acc
+
+
+if qdot.AVAILABLE:
+  @numba.njit(inline="always", **common.JIT)
+  def _record_dot_int8(kind, row, xq, xqp, dx, xsum, nxt, far):
+    """f32: a record row (kind code `kind`) . x_hat (xq: i8[D] per 32 values, xqp: the same in
+    `qdot.pair_blocks`' layout; dx, xsum: f32[D/32]), prefetching the codes of record nxt (into
+    L2 when far, else L1) over the row: the gate-first up pass's kernels."""
+    dim = xq.shape[0]
+    d = _record_scales(row, dim, kind, 0)
+    if kind == Q8_0_RECORDS:
+      q, nq = row[:dim].view(np.int8), nxt[:dim].view(np.int8)
+      if far:
+        return qdot.row_dot_q8_0_far(q, d, xq, dx, nq)
+      return qdot.row_dot_q8_0_next(q, d, xq, dx, nq)
+    qs, nqs = row[:dim // 2], nxt[:dim // 2]
+    if kind == Q4_1_RECORDS:
+      m = _record_scales(row, dim, kind, 1)
+      if far:
+        return qdot.row_dot_q4_1_pairs_far(qs, d, m, xqp, dx, xsum, nqs)
+      return qdot.row_dot_q4_1_pairs_next(qs, d, m, xqp, dx, xsum, nqs)
+    if far:
+      return qdot.row_dot_q4_0_pairs_far(qs, d, xqp, dx, xsum, nqs)
+    return qdot.row_dot_q4_0_pairs_next(qs, d, xqp, dx, xsum, nqs)
+else:  # No AVX2: the decoder's dots are f32 (never compiled with int8 true).
+  @numba.njit(inline="always", **common.JIT)
+  def _record_dot_int8(kind, row, xq, xqp, dx, xsum, nxt, far):
+    """Stand-in where `qdot` is not available (never called: int8 is false there)."""
+    return np.float32(0.0)
+
+
 @numba.njit(parallel=True, **common.JIT)
+def _gathered_records(kind, rows, ids, counts, xq, dx, xsum, x, int8, n_threads):
+  """`gathered_dots` for record rows u8[F, R] (kind code `kind`, `RECORDS`): each thread's
+  first rows prefetched whole AHEAD ahead (rows of >= 1 KB of codes, into L2) or 1, then per
+  row the scales of the row that far on, its codes spread over this row's dot
+  (`gated_ffn.up_pass_int8`'s scheme)."""
+  b = ids.shape[0]
+  dim = x.shape[1]
+  out = np.empty((b, ids.shape[1]), np.float32)
+  xqp = qdot.pair_blocks(xq) if int8 and kind != Q8_0_RECORDS else xq
+  nq = dim if kind == Q8_0_RECORDS else dim // 2
+  far = common.far_gather(nq)
+  ahead = AHEAD if far else 1
+  for t in numba.prange(n_threads):
+    for r in range(b):
+      lo = t * counts[r] // n_threads
+      hi = (t + 1) * counts[r] // n_threads
+      for j in range(lo, min(lo + ahead, hi)):
+        if far:
+          common.prefetch_row_l2(rows[ids[r, j]])
+        else:
+          common.prefetch_row(rows[ids[r, j]])
+      for j in range(lo, hi):
+        i = ids[r, j]
+        nxt = ids[r, j + ahead] if j + ahead < hi else i
+        if far:
+          common.prefetch_row_l2(rows[nxt, nq:])
+        else:
+          common.prefetch_row(rows[nxt, nq:])
+        if int8:
+          out[r, j] = _record_dot_int8(kind, rows[i], xq[r], xqp[r], dx[r], xsum[r], rows[nxt],
+                                       far)
+        else:
+          out[r, j] = _record_dot_f32(kind, rows[i], x[r])
+  return out
+
+
+@numba.njit(**common.JIT)
 def gathered_dots(kind, rows, ids, counts, xq, dx, xsum, x, int8, n_threads):
   """out f32[b, F]: out[r, j] = rows[ids[r, j]] . x[r] for j < counts[r] (compact: position j
   of row r's list, the rest unset).
 
-  kind: a `qblocks` kind code; rows: u8[F, row bytes] (file blocks); ids: i32[b, F]; x: f32[b,
-  D]. int8 (a kind of qblocks.INT8_KINDS): x as quantized per 32 values (xq i8[b, D], dx and
-  xsum f32[b, D/32], `act_quant.quantize_32`); else f32 with xsum the block sums of x."""
+  kind: a `qblocks` kind code or a `RECORDS` one; rows: u8[F, row bytes] (file blocks, or
+  records); ids: i32[b, F]; x: f32[b, D]. int8 (a kind of qblocks.INT8_KINDS, or records): x as
+  quantized per 32 values (xq i8[b, D], dx and xsum f32[b, D/32], `act_quant.quantize_32`);
+  else f32 with xsum the block sums of x."""
+  if kind >= RECORDS:
+    return _gathered_records(kind, rows, ids, counts, xq, dx, xsum, x, int8, n_threads)
+  return _gathered_file(kind, rows, ids, counts, xq, dx, xsum, x, int8, n_threads)
+
+
+@numba.njit(parallel=True, **common.JIT)
+def _gathered_file(kind, rows, ids, counts, xq, dx, xsum, x, int8, n_threads):
+  """`gathered_dots` for file blocks of qblocks kind code `kind`, rows prefetched AHEAD ahead."""
   b = ids.shape[0]
   out = np.empty((b, ids.shape[1]), np.float32)
   far = common.far_gather(rows.shape[1])
@@ -224,9 +382,11 @@ def predicted_ffn(x, h, fc1: qmatmul.QMatrix, fc2: qmatmul.QMatrix, threshold: f
     raise HostOpError(f"predicted_ffn: threshold must be finite in f32, got {threshold}")
   z = np.maximum(fc1.matmul(x, dot=dot), np.float32(0.0))
   logits = fc2.matmul(np.ascontiguousarray(z), dot=dot)
-  return _predicted_kernel(logits, threshold, h, file_rows(gate), file_rows(up),
-                           qblocks.KIND_CODES[gate.kind], code, down_t.arrays,
-                           int8_dots(gate.kind, dot), common.ensure_host_threads(),
+  int8 = int8_dots(gate.kind, dot)
+  gate_rows, kind = gather_rows(file_rows(gate), qblocks.KIND_CODES[gate.kind], int8)
+  up_rows, _ = gather_rows(file_rows(up), qblocks.KIND_CODES[gate.kind], int8)
+  return _predicted_kernel(logits, threshold, h, gate_rows, up_rows, np.int64(kind), code,
+                           down_t.arrays, int8, common.ensure_host_threads(),
                            np.int64(qmatmul.BLOCK))
 
 

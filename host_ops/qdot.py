@@ -116,9 +116,12 @@ def _row_dot_codegen(prefetch=False, locality=common.LOCALITY_L1):
   return codegen
 
 
-def _q4_1_pairs_codegen(prefetch=False, locality=common.LOCALITY_L1):
+def _q4_1_pairs_codegen(prefetch=False, locality=common.LOCALITY_L1, q4_0=False):
   """LLVM IR of a Q4_1 row's dot with x in the pair layout (`pair_blocks`), offsets included:
   sum_b d[b] dx[b] <w_b, xq_b> + sum_b m[b] xsum[b] (see the module docstring).
+
+  q4_0: a Q4_0 row (w = d (q - 8)) as Q4_1 with m = -8 d, computed here in f32 (exact) from d:
+  no m argument, so the arguments are (qs, d, xqp, dx, xsum[, next_qs]).
 
   Per group of 8 blocks: d and m widened eight at a time (S = d * dx, and m . xsum into its
   own accumulator); per pair of blocks one 32-byte code load, both nibble halves against the
@@ -129,7 +132,10 @@ def _q4_1_pairs_codegen(prefetch=False, locality=common.LOCALITY_L1):
 
   def codegen(context, builder, signature, args):
     arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
-    wp, dp, mp, xp, dxp, sump = (a.data for a in arrays[:6])
+    if q4_0:  # No offsets array: m = -8 d (`half_m`).
+      arrays.insert(2, None)
+    wp, dp, xp, dxp, sump = (arrays[k].data for k in (0, 1, 3, 4, 5))
+    mp = None if q4_0 else arrays[2].data
     nb = builder.extract_value(arrays[1].shape, 0)
     it = nb.type
 
@@ -160,9 +166,16 @@ def _q4_1_pairs_codegen(prefetch=False, locality=common.LOCALITY_L1):
     def accumulate(acc_p, f, scale):
       builder.store(common.fma(builder, f, scale, builder.load(acc_p)), acc_p)
 
+    def half_m(d_f, n):
+      """Q4_0's offsets as f32 (n lanes, or a scalar for n 0): -8 d (d_f the scales as f32;
+      times a power of two, so exact)."""
+      minus8 = ir.Constant(_F32, -8.0) if n == 0 else ir.Constant(_vec(_F32, n), [-8.0] * n)
+      return common.fmul(builder, d_f, minus8)
+
     def scalars(b):  # (d[b] dx[b], m[b] xsum[b]) of one block.
       d_b = _half_to_float(builder, builder.load(builder.gep(dp, [b])))
-      m_b = _half_to_float(builder, builder.load(builder.gep(mp, [b])))
+      m_b = half_m(d_b, 0) if q4_0 else _half_to_float(builder,
+                                                         builder.load(builder.gep(mp, [b])))
       return (common.fmul(builder, d_b, builder.load(builder.gep(dxp, [b]))),
               common.fmul(builder, m_b, builder.load(builder.gep(sump, [b]))))
 
@@ -171,7 +184,8 @@ def _q4_1_pairs_codegen(prefetch=False, locality=common.LOCALITY_L1):
       base = builder.shl(loop.index, c(3))
       d8 = _half_to_float(builder, _load(builder, dp, base, _vec(_I16, 8)))
       scale8 = common.fmul(builder, d8, _load(builder, dxp, base, v8))
-      m8 = _half_to_float(builder, _load(builder, mp, base, _vec(_I16, 8)))
+      m8 = half_m(d8, 8) if q4_0 else _half_to_float(builder, _load(builder, mp, base,
+                                                                     _vec(_I16, 8)))
       accumulate(acc_m, m8, _load(builder, sump, base, v8))
       for k in range(4):
         blk = builder.add(base, c(2 * k))
@@ -231,6 +245,27 @@ def row_dot_q4_1_pairs_far(typingctx, qs, d, m, xqp, dx, xsum, next_qs):
   """`row_dot_q4_1_pairs_next` prefetching into L2 (`common.far_rows`)."""
   return (types.float32(qs, d, m, xqp, dx, xsum, next_qs),
           _q4_1_pairs_codegen(prefetch=True, locality=common.LOCALITY_L2))
+
+
+@intrinsic
+def row_dot_q4_0_pairs(typingctx, qs, d, xqp, dx, xsum):
+  """f32: W_row . x_hat of a Q4_0 row (w = d (q - 8)) with `row_dot_q4_1_pairs`' kernel, the
+  offsets -8 d. qs: u8[D/2] (the blocks' 16 code bytes each, back to back); d: u16[D/32]."""
+  return types.float32(qs, d, xqp, dx, xsum), _q4_1_pairs_codegen(q4_0=True)
+
+
+@intrinsic
+def row_dot_q4_0_pairs_far(typingctx, qs, d, xqp, dx, xsum, next_qs):
+  """`row_dot_q4_0_pairs`, prefetching next_qs (u8[D/2], the row read next) into L2."""
+  return (types.float32(qs, d, xqp, dx, xsum, next_qs),
+          _q4_1_pairs_codegen(prefetch=True, locality=common.LOCALITY_L2, q4_0=True))
+
+
+@intrinsic
+def row_dot_q4_0_pairs_next(typingctx, qs, d, xqp, dx, xsum, next_qs):
+  """`row_dot_q4_0_pairs`, prefetching next_qs into L1 (rows under `common.far_gather`'s)."""
+  return (types.float32(qs, d, xqp, dx, xsum, next_qs),
+          _q4_1_pairs_codegen(prefetch=True, q4_0=True))
 
 
 @intrinsic

@@ -14,6 +14,7 @@ from host_ops import common
 from host_ops import decoder as decoder_lib
 from host_ops import gated_down
 from host_ops import predicted_ffn
+from host_ops import qblocks
 from host_ops import qdot
 from host_ops import qmatmul
 from host_ops.common import HostOpError
@@ -87,6 +88,42 @@ def _dense_acts(gate, up, h, family, dot):
   g = predicted_ffn._product_reference(gate, h, int8)
   u = predicted_ffn._product_reference(up, h, int8)
   return common.activation_reference(g, u, family)
+
+
+@pytest.mark.parametrize("dot", ["f32", "int8"])
+@pytest.mark.parametrize("n,dim", [(37, 96), (64, 4096), (5, 32)])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
+def test_records_match_file_rows(kind, n, dim, dot):
+  """Rows as records (`predicted_ffn.records`) hold the file's codes, scales and offsets, and
+  their gathered dots equal the file blocks' (and the f64 product) for odd row and block
+  counts, empty, partial and full id lists."""
+  rng = np.random.default_rng(n + dim)
+  w = _random_matrix(rng, kind, n, dim)
+  rows = predicted_ffn.file_rows(w)
+  code = qblocks.KIND_CODES[kind]
+  records, layout = predicted_ffn.gather_rows(rows, code, True)
+  code_bytes, head = predicted_ffn.RECORD_BLOCKS[code]
+  nb, nq = dim // 32, dim // 32 * code_bytes
+  assert layout == predicted_ffn.RECORDS + code and records.shape[1] % 64 == 0
+  blocks = rows.reshape(n, nb, code_bytes + head)
+  np.testing.assert_array_equal(records[:, :nq], blocks[:, :, head:].reshape(n, -1))
+  for k in range(head // 2):  # Scales, then (Q4_1) offsets.
+    np.testing.assert_array_equal(records[:, nq + 2 * nb * k:nq + 2 * nb * (k + 1)],
+                                  blocks[:, :, 2 * k:2 * k + 2].reshape(n, -1))
+  int8 = dot == "int8" and qdot.AVAILABLE
+  h = rng.standard_normal((3, dim)).astype(np.float32)
+  ids = np.tile(np.arange(n, dtype=np.int32), (3, 1))
+  ids[1, :n // 2] = np.sort(rng.choice(n, n // 2, replace=False))
+  counts = np.array([0, n // 2, n], np.int64)
+  xq, dx, xs = predicted_ffn.row_activations(h, int8)
+  got = predicted_ffn.gathered_dots(layout, records, ids, counts, xq, dx, xs, h, int8, 2)
+  want = predicted_ffn.gathered_dots(code, rows, ids, counts, xq, dx, xs, h, int8, 2)
+  ref = predicted_ffn._product_reference(w, h, int8)
+  for r in range(3):
+    c = counts[r]
+    scale = np.abs(ref[r]).max()
+    np.testing.assert_allclose(got[r, :c], want[r, :c], rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(got[r, :c], ref[r, ids[r, :c]], rtol=0, atol=1e-5 * scale)
 
 
 def test_predicted_ffn_refuses_what_it_cannot_run():
@@ -194,6 +231,13 @@ def test_decoder_predicted_matches_reference(family, kind, dot):
                                                    abs=1)
   dense = dec.bytes_per_token()
   assert dec.sparse_nbytes() > 0
+  # Gate and up rows as records with int8 dots, file blocks with f32, switched with the dot.
+  records = dec.dot == "int8" and kind in ("q4_0", "q8_0")
+  assert (dec._pred_rows[2] >= predicted_ffn.RECORDS) == records
+  dec.dot = "f32" if dec.dot == "int8" else "int8"
+  assert dec.thresholds == thresholds
+  assert (dec._pred_rows[2] >= predicted_ffn.RECORDS) == (dec.dot == "int8")
+  _assert_logits_match(_run(dec, tokens), decoder_lib.decoder_reference(dec, tokens), dec.dot)
   dec.enable_predicted(None)
   assert dec.thresholds is None and dec.bytes_per_token() == dense
 
