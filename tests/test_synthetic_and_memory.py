@@ -146,7 +146,7 @@ def test_bench_interleaves_dense_and_gate_sparse_decode(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   (alone,) = json.loads(proc.stdout)
   assert alone["mode"] == "off" and list(alone["layer_us"]) == list(decoder_lib.PHASES)
-  assert all(us > 0 for us in alone["layer_us"].values())
+  assert all(us > 0 for phase, us in alone["layer_us"].items() if phase != "predictor")
   # --profile_layers times the host layer loop: refused on the f32 XLA path, one line.
   proc = subprocess.run(bench + ["--profile_layers", "--host_weights=off"], capture_output=True,
                         text=True, timeout=600, cwd=ROOT)
