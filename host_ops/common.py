@@ -293,6 +293,23 @@ def prefetch_row_l2(row):
 
 
 @numba.njit(inline="always", **JIT)
+def prefetch_gathered(row, far):
+  """`prefetch_row_l2` when far (`far_gather`), else `prefetch_row`."""
+  if far:
+    prefetch_row_l2(row)
+  else:
+    prefetch_row(row)
+
+
+@numba.njit(inline="always", **JIT)
+def prefetch_first(rows, ids, lo, hi, ahead, far):
+  """Prefetches rows[ids[lo]] .. rows[ids[lo + ahead - 1]] (not past hi): the first rows of a
+  thread's share [lo, hi) of an id list, before its loop prefetches `ahead` rows ahead."""
+  for j in range(lo, min(lo + ahead, hi)):
+    prefetch_gathered(rows[ids[j]], far)
+
+
+@numba.njit(inline="always", **JIT)
 def prefetch_at(ids, j, hi, rows):
   """Prefetches every cache line of rows[ids[j]] (nothing once j >= hi): a row some neurons
   ahead in a thread's share [.., hi) of an id list (the gate-first FFN's passes)."""

@@ -198,18 +198,11 @@ def _gathered_records(kind, rows, ids, counts, xq, dx, xsum, x, int8, n_threads)
     for r in range(b):
       lo = t * counts[r] // n_threads
       hi = (t + 1) * counts[r] // n_threads
-      for j in range(lo, min(lo + ahead, hi)):
-        if far:
-          common.prefetch_row_l2(rows[ids[r, j]])
-        else:
-          common.prefetch_row(rows[ids[r, j]])
+      common.prefetch_first(rows, ids[r], lo, hi, ahead, far)
       for j in range(lo, hi):
         i = ids[r, j]
         nxt = ids[r, j + ahead] if j + ahead < hi else i
-        if far:
-          common.prefetch_row_l2(rows[nxt, nq:])
-        else:
-          common.prefetch_row(rows[nxt, nq:])
+        common.prefetch_gathered(rows[nxt, nq:], far)
         if int8:
           out[r, j] = _record_dot_int8(kind, rows[i], xq[r], xqp[r], dx[r], xsum[r], rows[nxt],
                                        far)
@@ -242,17 +235,10 @@ def _gathered_file(kind, rows, ids, counts, xq, dx, xsum, x, int8, n_threads):
     for r in range(b):
       lo = t * counts[r] // n_threads
       hi = (t + 1) * counts[r] // n_threads
-      for j in range(lo, min(lo + AHEAD, hi)):
-        if far:
-          common.prefetch_row_l2(rows[ids[r, j]])
-        else:
-          common.prefetch_row(rows[ids[r, j]])
+      common.prefetch_first(rows, ids[r], lo, hi, AHEAD, far)
       for j in range(lo, hi):
         if j + AHEAD < hi:
-          if far:
-            common.prefetch_row_l2(rows[ids[r, j + AHEAD]])
-          else:
-            common.prefetch_row(rows[ids[r, j + AHEAD]])
+          common.prefetch_gathered(rows[ids[r, j + AHEAD]], far)
         i = ids[r, j]
         if int8:
           out[r, j] = qblocks.row_dot_int8(kind, rows[i], xq[r], dx[r], xsum[r])

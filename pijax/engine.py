@@ -130,30 +130,11 @@ class Model:
     return self.host_weights
 
   def configure_sparse(self, mode: str = "off", **options) -> None:
-    """FFN execution in `pijax.sparse_modes`' words: "off"; "gate" / "contribution" (a GGUF's host
-    weights; options of `configure_host_weights`); "predictor" on a PowerInfer GGUF (its own
-    predictors on host weights; options of `configure_host_weights`); a bundle's "oracle" /
-    "predictor" (options: `backends.hybrid.for_model`). Raises ConfigError: a mode that does
-    not fit, bad options."""
+    """FFN execution in `pijax.sparse_modes`' words ("off", "gate", "contribution", "oracle",
+    "predictor"); `pijax.sparse_modes.backend_for` picks the backend and lists the options.
+    Raises ConfigError: a mode that does not fit, bad options."""
     from pijax import sparse_modes
-    predictors = False
-    if self.sparse is None and mode == sparse_modes.PREDICTOR:
-      from pijax.formats import powerinfer
-      predictors = powerinfer.has_predictors(self.path)
-    sparse_modes.check(mode, bundle=self.sparse is not None, predictors=predictors)
-    if mode in sparse_modes.HOST_MODES:
-      self.configure_host_weights(options.pop("weights", "auto"), gate_sparse=True,
-                                  gate_rule=mode, **options)
-      return
-    if predictors:  # A PowerInfer GGUF: its own predictors on the host engine.
-      self.configure_host_weights(options.pop("weights", "auto"), predictor=True, **options)
-      return
-    if self.sparse is None:  # "off" on a plain GGUF: the dense backend.
-      from pijax.backends import hybrid
-      self.use_backend(hybrid.for_model(self, mode, **options))
-      return
-    from pijax import bundle_load
-    self.use_backend(bundle_load.backend_for(self, mode, **options))
+    self.use_backend(sparse_modes.backend_for(self, mode, **options))
 
   def replace(self, *, hot_ratio: float | None = None,
               device_budget_gb: float | None = None) -> list[int]:

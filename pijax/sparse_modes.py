@@ -54,3 +54,32 @@ def check(mode: str, *, bundle: bool | None = None, predictors: bool = False) ->
                       "with `python -m pijax.convert` (or use --sparse=gate or contribution "
                       "on this GGUF).")
   return mode
+
+
+def backend_for(model, mode: str, **options):
+  """The backend that runs `model` (`pijax.engine.Model`) in `mode`, after `check`: "gate" /
+  "contribution" and a PowerInfer GGUF's "predictor" on its host weights (options of
+  `pijax.backends.host.for_model`); "off" on a plain GGUF the dense backend; a bundle's modes
+  where `pijax.bundle_load.backend_for` puts them (host engine or hybrid; options of
+  `pijax.backends.hybrid.for_model`).
+
+  Raises:
+    ConfigError: a mode that does not fit the model, bad options.
+  """
+  predictors = False
+  if model.sparse is None and mode == PREDICTOR:
+    from pijax.formats import powerinfer
+    predictors = powerinfer.has_predictors(model.path)
+  check(mode, bundle=model.sparse is not None, predictors=predictors)
+  if mode in HOST_MODES or predictors:
+    from pijax import load_checks
+    from pijax.backends import host
+    if model.file_stamp is not None:  # The host path reads the file's blocks now.
+      load_checks.check_unchanged(*model.file_stamp)
+    rule = {"gate_sparse": True, "gate_rule": mode} if mode in HOST_MODES else {"predictor": True}
+    return host.for_model(model, options.pop("weights", "auto"), **rule, **options)
+  if model.sparse is None:  # "off" on a plain GGUF: the dense backend.
+    from pijax.backends import hybrid
+    return hybrid.for_model(model, mode, **options)
+  from pijax import bundle_load
+  return bundle_load.backend_for(model, mode, **options)
