@@ -93,6 +93,17 @@ class LowbitPredictor:
     return sum(a.nbytes for a in (self.gate_codes, self.up_codes, self.gate_scales,
                                   self.up_scales))
 
+  def active_ids(self, x, family: str) -> tuple[np.ndarray, np.ndarray]:
+    """Pass 1 alone: x f32[b, D] -> (ids i32[b, n] predicted active, valid first, -1 after;
+    counts i32[b]) (what `host_ops.cold_ffn.QuantColdFFN.run_predicted` computes on)."""
+    x = np.ascontiguousarray(x, np.float32)
+    if x.ndim != 2 or x.shape[1] != 2 * self.gate_codes.shape[1]:
+      raise HostOpError(f"x must be f32[b, {2 * self.gate_codes.shape[1]}], got {x.shape}")
+    xe, xo = np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2])
+    return _lowbit_active_kernel(self.gate_codes, self.gate_scales, self.up_codes,
+                                 self.up_scales, xe, xo, np.float32(self.cut),
+                                 common.family_code(family))
+
   def run(self, gate, up, down, x, family: str) -> tuple[np.ndarray, np.ndarray]:
     """`lowbit_sparse_ffn_host` with this predictor (what `HostFFNWeights.run_predicted`
     calls: sparse_ffn does not import this module)."""

@@ -74,10 +74,10 @@ def backend_for(model: Any, mode: str, *, hot_ratio: float | None = None,
       raise ConfigError(f"--cut_offset={cut_offset} must be a number (0 = the calibrated cuts).")
     return host.for_bundle(model, mode, threshold_scale=1.0 if threshold_scale is None
                            else threshold_scale, dot=host_dot)
-  if host_dot is not None:
-    raise ConfigError(f"--host_dot is for runs on host weights; --sparse={mode} on this bundle "
-                      "runs its f32 rows (drop --host_dot).")
+  if host_dot is not None and mode == "off":
+    raise ConfigError("--host_dot is for runs on host weights; --sparse=off with hot neurons "
+                      "runs the dense XLA backend (drop --host_dot).")
   return hybrid.for_model(model, mode, hot_ratio=hot_ratio, device_budget_gb=device_budget_gb,
                           predictor_kind=predictor_kind, use_pallas=use_pallas,
                           threshold_scale=1.0 if threshold_scale is None else threshold_scale,
-                          **options)
+                          host_dot=host_dot, **options)

@@ -107,7 +107,7 @@ def check_budget(cfg, opts: ConvertOptions) -> None:
       cfg, np.full((cfg.n_layers, cfg.intermediate_size), 0.5, np.float32),
       budget_bytes=opts.device_budget_bytes, max_seq_len=opts.max_seq_len,
       dtype_bytes=_DTYPE_BYTES[opts.device_dtype], predictor_ranks=ranks, tile=opts.tile,
-      hot_ratio=opts.hot_ratio,
+      hot_ratio=opts.hot_ratio, hot_neuron_bytes=placement_lib.int8_neuron_bytes(cfg),
       predictor_neuron_bytes=predictor_lib.hot_neuron_bytes(
           cfg.hidden_size, resolve_predictor_kind(cfg, opts.predictor_kind)))
 
@@ -165,6 +165,7 @@ def convert(model, opts: ConvertOptions) -> dict[str, Any]:
         cfg, freqs, budget_bytes=opts.device_budget_bytes, max_seq_len=opts.max_seq_len,
         dtype_bytes=_DTYPE_BYTES[opts.device_dtype], predictor_ranks=ranks, tile=opts.tile,
         layer_weights=layer_weights, hot_ratio=opts.hot_ratio,
+        hot_neuron_bytes=placement_lib.int8_neuron_bytes(cfg),
         predictor_neuron_bytes=predictor_lib.hot_neuron_bytes(cfg.hidden_size, kind))
     t0 = time.perf_counter()
     host_rule = host_rule_quality(model, prof, opts.calibration)
@@ -313,7 +314,10 @@ def build_manifest(model, opts: ConvertOptions, prof: Profile,
       "placement": placement.to_json(),
       "device": {"dtype": opts.device_dtype, "max_seq_len": opts.max_seq_len,
                  "device_bytes": int(placement.device_bytes),
-                 "budget_bytes": placement.budget_bytes},
+                 "budget_bytes": placement.budget_bytes,
+                 # Hot rows are int8 blocks on the device (`pijax.nn.hybrid`, row format int8).
+                 "hot_rows": "int8",
+                 "bytes_per_hot_neuron": placement_lib.int8_neuron_bytes(cfg)},
       "totals": {
           "predictor_bytes": int(predictor_bytes),
           "ffn_bytes": int(ffn_bytes),
@@ -350,7 +354,7 @@ def format_table(manifest: dict[str, Any]) -> str:
               f"{_fmt(t['mean_true_sparsity'])}, predictor bytes "
               f"{t['predictor_fraction_of_ffn']:.2%} of FFN bytes; device "
               f"{manifest['device']['device_bytes']} of {manifest['device']['budget_bytes']} "
-              "bytes")
+              f"bytes ({manifest['device'].get('bytes_per_hot_neuron', '-')} per hot neuron)")
   return "\n".join(rows)
 
 

@@ -182,9 +182,6 @@ def check(cfg: Any = None, model: str | None = None) -> None:
                         f"down projections are {', '.join(sorted(types))}: use "
                         "--gate_down=q8_0, or drop --gate_down.")
   dot = pick(HOST_DOT, "host_dot")
-  if dot is not None and mode == sparse_modes.ORACLE:
-    raise ConfigError("--host_dot is for runs on host weights; --sparse=oracle runs a bundle's "
-                      "f32 rows (drop --host_dot).")
   if dot is not None and pick(HOST_WEIGHTS, "host_weights") == "off":
     raise ConfigError(f"--host_dot={dot} sets how host weights multiply, but --host_weights=off "
                       "keeps the weights in XLA; drop --host_dot or use --host_weights=gguf.")
@@ -255,9 +252,9 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
     model.configure_sparse(mode, host_threads=threads, host_dot=host_dot,
                            threshold_scale=THRESHOLD_SCALE.value)
     return
-  if host_dot is not None:
-    raise ConfigError("--host_dot is for runs on host weights; this bundle run uses its f32 "
-                      "rows (drop --host_dot).")
+  if host_dot is not None and mode == "off":
+    raise ConfigError("--host_dot is for runs on host weights; --sparse=off with hot neurons "
+                      "runs the dense XLA backend (drop --host_dot).")
   if (mode != "off" and model.sparse is not None and hot_ratio is None and budget is None
       and jax.default_backend() == "cpu"):
     # No accelerator: "device" and host are the same CPU and memory, and the host path is the
@@ -269,7 +266,7 @@ def configure(model, cfg: Any = None, *, per_token_prefill: bool = False) -> Non
                          host_threads=threads, oracle_threshold=ORACLE_THRESHOLD.value,
                          threshold_scale=THRESHOLD_SCALE.value, cut_offset=CUT_OFFSET.value,
                          predictor_kind=kind, overlap=bool(pick(OVERLAP, "overlap")),
-                         host_predict=pick(HOST_PREDICT, "host_predict"),
+                         host_predict=pick(HOST_PREDICT, "host_predict"), host_dot=host_dot,
                          prefill_dense_tokens=(
                              dense_tokens if dense_tokens is not None
                              else 0 if per_token_prefill else DEFAULT_PREFILL_DENSE_TOKENS))

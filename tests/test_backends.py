@@ -75,11 +75,16 @@ def _backends(model, path):
   """name -> backend for one tiny model (the host one on a Q8_0 copy is separate)."""
   return {
       "xla": xla_backend.XlaBackend(model.config, model.params, model.dtype),
+      # f32 rows: the hybrid's exact oracle row format (the split and merge alone).
       "hybrid_oracle": hybrid_backend.for_model(_tiny_bundle(model), "oracle",
-                                                hot_ratio=0.5, oracle_threshold=0.0),
+                                                hot_ratio=0.5, oracle_threshold=0.0,
+                                                row_format="f32"),
       "hybrid_predictor": hybrid_backend.for_model(_tiny_bundle(model), "predictor",
                                                    hot_ratio=0.25, predictor_kind="mlp",
-                                                   host_predict=False),
+                                                   host_predict=False, row_format="f32"),
+      # int8 rows (the product): int8 hot rows, the host engine's rows of the file for the cold.
+      "hybrid_int8": hybrid_backend.for_model(_tiny_bundle(model), "oracle", hot_ratio=0.5,
+                                              oracle_threshold=0.0),
   }
 
 
@@ -87,13 +92,18 @@ def _backends(model, path):
 @pytest.mark.parametrize("family,act,activation,tied", FAMILIES)
 def test_device_backends_match_transformers(tmp_path, family, act, activation, tied, rope):
   """XLA and hybrid (every neuron active: the hot half on the device, the cold half through
-  the host callback) give transformers' logits, prefill and decode, through the engine."""
+  the host callback) give transformers' logits, prefill and decode, through the engine; the
+  hybrid on int8 rows within int8 rounding of them."""
   hf, model = _tiny(tmp_path, family, act, activation, tied, rope)
   ref = _hf_logits(hf, IDS)
   for name, backend in _backends(model, model.path).items():
     model.use_backend(backend)
     got = model.prompt_logits(IDS)
     err = np.abs(got - ref).max()
+    if name == "hybrid_int8":
+      assert backend.spec.row_format == "int8" and err <= 5e-2 * np.abs(ref).max(), err
+      assert model.generate(IDS[:5], max_new_tokens=6, temperature=0.0).token_ids
+      continue
     assert err <= 1e-4 * np.abs(ref).max(), (name, err)
     # Greedy decode through the engine equals transformers' greedy continuation.
     result = model.generate(IDS[:5], max_new_tokens=6, temperature=0.0)

@@ -286,8 +286,10 @@ def test_convert_builds_the_predictor_the_runtime_uses(tmp_path, shared_dir, mon
   assert bool(trained) == (kind == "mlp")
   d = model.config.hidden_size  # Placement counts the hot rows' low-bit codes on the device.
   hot = manifest["placement"]["hot_counts"]
+  per_neuron = manifest["device"]["bytes_per_hot_neuron"]  # int8 rows + a scale per 32.
+  assert per_neuron == 3 * d // 32 * 36 and manifest["device"]["hot_rows"] == "int8"
   assert manifest["placement"]["ffn_bytes_hot"] == sum(hot) * (
-      3 * d * 4 + (predictor_lib.hot_neuron_bytes(d, kind)))
+      per_neuron + (predictor_lib.hot_neuron_bytes(d, kind)))
   bundled = pijax.load(str(tmp_path / "b"), max_seq_len=128)
   sparse = bundled.sparse
   assert sparse.predictor_kind == kind
@@ -435,6 +437,8 @@ def test_bundle_sizes_must_be_the_sources(converted, tmp_path):
 
   def manifest_edit(manifest):
     manifest["model"]["intermediate_size"] -= 1
+    for layer in manifest["layers"]:  # Still within the (edited) layer.
+      layer["hot_count"] = min(layer["hot_count"], manifest["model"]["intermediate_size"])
     tree = bundle_lib.read_checkpoint(converted[0].out)
     tree_edit(tree)
     manifest["perm_sha256"] = bundle_lib.perm_sha256(tree["perm"])

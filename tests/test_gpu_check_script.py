@@ -63,8 +63,10 @@ def test_cpu_smoke_mode_passes(tmp_path):
   table = out[out.rindex("| step"):].strip().splitlines()
   assert table[-1].startswith("| overall") and "PASS" in table[-1]
   body = "\n".join(table)
-  for step in ("environment", "kernels", "hybrid model", "oracle thr=0 hot=0.3 vs dense [tiny]",
-               "oracle thr=0 hot=1.0 vs dense [tiny]", "oracle thresholds hot=0.3",
+  for step in ("environment", "kernels", "hybrid model",
+               "oracle thr=0 hot=0.3 f32 rows vs dense [tiny]",
+               "oracle thr=0 hot=1.0 f32 rows vs dense [tiny]",
+               "oracle thr=0 hot=0.3 int8 rows vs dense [tiny]", "oracle thresholds hot=0.3",
                "bench tg32 dense [tiny]", "bench tg32 predictor hot=0.3 [tiny]"):
     assert step in body, body
   assert "| FAIL" not in body

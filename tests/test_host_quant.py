@@ -768,7 +768,7 @@ def test_interleaved_generations_and_reconfigure(tmp_path):
 
 
 @pytest.mark.parametrize("prog,args", [
-    ("pijax.serve", ["--model=default", "--host_dot=int8", "--sparse=oracle"]),
+    ("pijax.serve", ["--model=default", "--host_dot=int8", "--host_weights=off"]),
     ("pijax.generate", ["--config=configs/smollm2_135m.py", "--host_dot=f32",
                         "--host_weights=off", "--prompt=hi"])])
 def test_host_dot_combinations_refused_before_loading(prog, args):

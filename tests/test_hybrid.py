@@ -28,11 +28,13 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("hot_ratio", [0.0, 0.3, 1.0])
 def test_oracle_threshold_zero_equals_dense(bundle_model, prompt_ids, hot_ratio):
-  """Every neuron active: the device/host split and merge reproduce the dense logits."""
+  """Every neuron active: the device/host split and merge reproduce the dense logits (the f32
+  row format, kept as the exact oracle of the split; int8 rows: below)."""
   bundle_model.configure_host_weights("off")  # f32 XLA dense
   dense = bundle_model.prompt_logits(prompt_ids)
   dense_gen = bundle_model.generate(prompt_ids, max_new_tokens=6).token_ids
-  bundle_model.configure_sparse("oracle", hot_ratio=hot_ratio, oracle_threshold=0.0)
+  bundle_model.configure_sparse("oracle", hot_ratio=hot_ratio, oracle_threshold=0.0,
+                                row_format="f32")
   assert bundle_model.backend.spec.hot_counts[0] == min(1536, round(hot_ratio * 1536 / 64) * 64)
   logits, active = bundle_model.prompt_logits(prompt_ids, return_active=True)
   assert _rel(logits, dense) <= 1e-5
@@ -82,7 +84,7 @@ def test_oracle_equals_dense_with_same_neurons_zeroed(bundle_model, prompt_ids, 
   import jax
   import jax.numpy as jnp
   from pijax.nn import hybrid
-  bundle_model.configure_sparse("oracle", hot_ratio=hot_ratio)
+  bundle_model.configure_sparse("oracle", hot_ratio=hot_ratio, row_format="f32")
   run = jax.jit(lambda p, t: hybrid.forward_with_masks(p, t, config=bundle_model.config,
                                                        sparse=bundle_model.backend.spec))
   logits, masks = run(bundle_model.backend.params, jnp.asarray([prompt_ids], jnp.int32))
@@ -123,7 +125,7 @@ def test_lowbit_predictor_masks_and_logits(bundle_model, prompt_ids, hf_model, h
   from pijax.nn import transformer as model_lib
   from pijax.offline import predictor as predictor_lib
   bundle_model.configure_sparse("predictor", hot_ratio=hot_ratio, predictor_kind="lowbit",
-                                host_predict=False)
+                                host_predict=False, row_format="f32")
   assert bundle_model.backend.spec.predictor_kind == "lowbit"
   run = jax.jit(lambda p, t: hybrid.forward_with_masks(p, t, config=bundle_model.config,
                                                        sparse=bundle_model.backend.spec))
@@ -138,7 +140,7 @@ def test_lowbit_predictor_masks_and_logits(bundle_model, prompt_ids, hf_model, h
   # run's own residual stream, which differs from the dense run's after layer 0).
   cfg = bundle_model.config
   bundle_model.configure_sparse("predictor", hot_ratio=hot_ratio, predictor_kind="lowbit",
-                                host_predict=False)
+                                host_predict=False, row_format="f32")
   spec, hparams = bundle_model.backend.spec, bundle_model.backend.params
   bundle_model.configure_host_weights("off")  # f32 XLA dense
   t = len(prompt_ids)
@@ -167,7 +169,8 @@ def test_overlapped_host_part_equals_serial(bundle_model, prompt_ids):
   gives the serial run's logits bit for bit (same kernels, same order of sums)."""
   bundle_model.configure_host_weights("off")  # f32 XLA dense
   dense = bundle_model.prompt_logits(prompt_ids)
-  bundle_model.configure_sparse("oracle", hot_ratio=0.3, oracle_threshold=0.0, overlap=True)
+  bundle_model.configure_sparse("oracle", hot_ratio=0.3, oracle_threshold=0.0, overlap=True,
+                                row_format="f32")
   assert bundle_model.backend.spec.overlap
   assert _rel(bundle_model.prompt_logits(prompt_ids), dense) <= 1e-5
   runs = {}
@@ -305,7 +308,8 @@ def test_bundle_runs_on_the_host_engine(bundle_model, smollm2, prompt_ids):
     every, active = bundle_model.prompt_logits(prompt_ids, return_active=True)
     np.testing.assert_allclose(active, 1.0)
     assert _rel(every, off32) <= 1e-4
-    # Hot neurons asked for: the hybrid backend over the f32 rows; hot_ratio 0 is the host's.
+    # Hot neurons asked for: the hybrid backend (int8 hot rows, the host engine's cold rows);
+    # hot_ratio 0 is the host engine's.
     bundle_model.configure_sparse("predictor", hot_ratio=0.0)
     assert bundle_model.backend.name == "host"
     bundle_model.configure_sparse("predictor", hot_ratio=0.3)
@@ -333,3 +337,93 @@ def test_eval_predictors_reports_the_host_rule(bundle_model):
   skipped = np.mean([r["predicted_sparsity"] for r in rows])
   assert recall >= 0.9 and precision >= 0.9 and 0.3 <= skipped <= 0.7, (recall, precision,
                                                                          skipped)
+
+
+@pytest.mark.parametrize("hot_ratio", [0.0, 0.3, 1.0])
+def test_int8_rows_split_and_merge_exact(bundle_model, hot_ratio):
+  """Issue 32, item 3: the hybrid FFN on int8 rows (hot: i8 + f32 scale per 32 on the device;
+  cold: the source GGUF's Q4_1 gate/up blocks and Q8_0 down rows on the host) equals the
+  float64 NumPy sum of its two halves on the same rows and mask, for each layer tried: the
+  dequantized hot rows on f32 h, the cold rows as `QuantColdFFN.reference` (int8 products)."""
+  import jax.numpy as jnp
+  from pijax.nn import hybrid
+  from pijax.offline import placement
+  cfg = bundle_model.config
+  bundle_model.configure_sparse("oracle", hot_ratio=hot_ratio)
+  spec, params = bundle_model.backend.spec, bundle_model.backend.params
+  bundle_model.configure_host_weights("off")
+  assert spec.row_format == "int8"
+  rng = np.random.default_rng(int(hot_ratio * 10))
+  d, f = cfg.hidden_size, cfg.intermediate_size
+  for layer in (0, 17):
+    n_hot = spec.hot_counts[layer]
+    p = params[f"layers_{layer}"]["ffn"]
+    if n_hot:
+      assert p["hot_gate"].dtype == jnp.int8 and p["hot_down_scale"].shape == (n_hot, d // 32)
+      assert sum(p[f"hot_{k}"].nbytes + p[f"hot_{k}_scale"].nbytes
+                 for k in ("gate", "up", "down")) == n_hot * placement.int8_neuron_bytes(cfg)
+    cold = spec.host_layers[layer]
+    assert (cold is None) == (n_hot == f)
+    if cold is not None:
+      assert cold.gate.kind == "q4_1" and cold.down_t.kind == "q8_0"
+    x = rng.standard_normal((1, 3, d)).astype(np.float32)
+    h = rng.standard_normal((1, 3, d)).astype(np.float32)
+    y, state = hybrid.HybridFFN(cfg, spec, layer).apply(
+        {"params": p}, jnp.asarray(x), jnp.asarray(h), mutable=["intermediates", "masks"])
+    mask = np.asarray(state["masks"]["mask"][0])[0]  # [T, F]
+    assert 0.0 < mask.mean() < 1.0  # Some neurons on, some off (random h: most on).
+    h2 = h[0].astype(np.float64)
+    ref = np.zeros((3, d))
+    if n_hot:
+      rows = [np.asarray(hybrid.dequantize_rows(p[f"hot_{k}"], p[f"hot_{k}_scale"]), np.float64)
+              for k in ("gate", "up", "down")]
+      g, u = h2 @ rows[0].T, h2 @ rows[1].T
+      ref += (g / (1 + np.exp(-g)) * u * mask[:, :n_hot]) @ rows[2]
+    if cold is not None:
+      ids = np.where(mask[:, n_hot:], np.arange(f - n_hot), -1).astype(np.int32)
+      ref += cold.reference(h[0], ids)
+    got = np.asarray(y[0], np.float64)
+    assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max()
+
+
+def test_int8_rows_follow_the_f32_model(bundle_model, prompt_ids, hf_model):
+  """The int8 hybrid with every neuron active stays within int8 rounding of transformers'
+  f32 model (the host engine's int8 products move SmolLM2's logits by as much), and the
+  predictor mode names the capital; bytes per token count the hot neurons' int8 rows."""
+  import torch
+  from pijax.offline import placement
+  bundle_model.configure_sparse("oracle", hot_ratio=0.3, oracle_threshold=0.0)
+  logits = bundle_model.prompt_logits(prompt_ids)
+  cfg, spec = bundle_model.config, bundle_model.backend.spec
+  read, total = bundle_model.backend.weight_bytes_per_token(0.0)
+  bundle_model.configure_sparse("predictor", hot_ratio=0.3)
+  result = bundle_model.generate("The capital of France is", max_new_tokens=12)
+  bundle_model.configure_host_weights("off")
+  with torch.no_grad():
+    ref = hf_model(torch.tensor([prompt_ids])).logits[0].float().numpy()
+  assert (logits.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+  assert _rel(logits, ref) <= 0.1
+  assert "Paris" in result.text and 0.3 < result.stats.ffn_sparsity < 0.7, result
+  hot = sum(spec.hot_counts) * placement.int8_neuron_bytes(cfg)
+  cold = sum((cfg.intermediate_size - n) * w.bytes_per_neuron
+             for n, w in zip(spec.hot_counts, spec.host_layers))
+  ffn32 = 3 * cfg.hidden_size * cfg.intermediate_size * cfg.n_layers * 4
+  assert read == total - ffn32 + hot + cold + 2 * ffn32 // 3  # Oracle: gate/up decide.
+  assert bundle_model.sparse.manifest["device"]["bytes_per_hot_neuron"] == \
+      placement.int8_neuron_bytes(cfg)
+
+
+def test_int8_rows_pallas_kernel_in_interpret_mode(bundle_model, prompt_ids):
+  """The hot part of decode through the Pallas int8 kernel (`use_pallas`; Pallas' interpreter
+  on CPU) gives the plain-jnp path's greedy tokens, every neuron active and with the oracle's
+  real thresholds."""
+  runs = {}
+  for threshold in (0.0, None):
+    for use_pallas in (False, True):
+      bundle_model.configure_sparse("oracle", hot_ratio=0.5, oracle_threshold=threshold,
+                                    use_pallas=use_pallas)
+      assert bundle_model.backend.spec.use_pallas == use_pallas
+      runs[threshold, use_pallas] = bundle_model.generate(prompt_ids, max_new_tokens=4).token_ids
+  bundle_model.configure_host_weights("off")
+  for threshold in (0.0, None):
+    assert runs[threshold, True] == runs[threshold, False]

@@ -62,6 +62,59 @@ def _tensor_kind(tensor: Any) -> str | None:
   return _KEPT_TYPES.get(tensor.tensor_type.name)
 
 
+def _read_matrix(reader, tensors: dict[str, Any], plan: dict, path: str, weights: str,
+                 requantized: dict[str, int], role: str, layer: int | None) -> qmatmul.QMatrix:
+  """One role's matrix of a GGUF (`loader.weight_plan`'s `plan`), kept in its blocks when
+  allowed (`weights` "gguf", or a Q8_0 tensor), else re-quantized to Q8_0 (counted by GGML
+  type in `requantized` under "gguf").
+
+  Raises:
+    GGUFError: a missing tensor, or NaN / inf scales.
+  """
+  where, shape = plan[role, layer]
+  if where.name not in tensors:
+    raise GGUFError(f"{path}: tensor {where.name!r} is missing; the file is incomplete.")
+  t = tensors[where.name]
+  rows = loader.slice_rows(t, where, shape, path)
+  kind = _tensor_kind(t)
+  if kind is not None and (weights == WEIGHTS_GGUF or kind == qmatmul.Q8_0) and \
+      shape[1] % qmatmul.block_size(kind) == 0:
+    first = 0 if rows is None else rows[0]
+    data = t.data if rows is None else t.data[rows[0]:rows[1]]
+    row_bytes = t.n_bytes // t.data.shape[0]
+
+    def copied(lo: int, hi: int) -> None:  # Rows copied out of the map: their pages may go.
+      reader.release_pages(t.data_offset + (first + lo) * row_bytes, (hi - lo) * row_bytes)
+
+    m = qmatmul.from_gguf_blocks(kind, data, shape, copied=copied)
+    if not m.all_finite():  # The f16 scales (codes are integers), checked in place.
+      raise GGUFError(f"{path}: tensor {t.name!r} holds NaN or inf values; the file is "
+                      "corrupt (re-download or re-convert it).")
+    return m
+  if weights == WEIGHTS_GGUF:
+    requantized[t.tensor_type.name] = requantized.get(t.tensor_type.name, 0) + 1
+  return qmatmul.quantize_q8_0(loader.read_weight(tensors, where, shape, path))
+
+
+def ffn_file_matrices(path: str | os.PathLike[str], config: ModelConfig
+                      ) -> list[tuple[qmatmul.QMatrix, qmatmul.QMatrix]]:
+  """Per layer, (gate, up): QMatrix [F, D] of the GGUF's FFN gate and up projections in the
+  file's own blocks (types no host kernel reads re-quantized to Q8_0, as `build_decoder`'s
+  "gguf"): the rows the hybrid backend's cold part gathers (`host_ops.cold_ffn`).
+
+  Raises:
+    GGUFError: missing tensors or corrupt scales.
+  """
+  path = os.fspath(path)
+  reader, _ = gguf_io.open_gguf(path)
+  tensors = {t.name: t for t in reader.tensors}
+  plan = {(role, i): (where, shape) for role, i, where, shape in loader.weight_plan(config, path)}
+  out = [tuple(_read_matrix(reader, tensors, plan, path, WEIGHTS_GGUF, {}, role, i)
+               for role in ("gate", "up")) for i in range(config.n_layers)]
+  reader.release_pages()
+  return out
+
+
 def file_is_block_quantized(path: str | os.PathLike[str]) -> bool:
   """True when every matrix of the GGUF (layers, token embedding, output head) is of a type a
   host kernel reads (`qmatmul.GGML_KINDS`), so "gguf" re-quantizes nothing."""
@@ -98,30 +151,7 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
     return loader.read_weight(tensors, *plan[role, layer], path)
 
   def one(role: str, layer: int | None) -> qmatmul.QMatrix:
-    """One role's matrix, kept in its blocks when allowed, else re-quantized to Q8_0."""
-    where, shape = plan[role, layer]
-    if where.name not in tensors:
-      raise GGUFError(f"{path}: tensor {where.name!r} is missing; the file is incomplete.")
-    t = tensors[where.name]
-    rows = loader.slice_rows(t, where, shape, path)
-    kind = _tensor_kind(t)
-    if kind is not None and (weights == WEIGHTS_GGUF or kind == qmatmul.Q8_0) and \
-        shape[1] % qmatmul.block_size(kind) == 0:
-      first = 0 if rows is None else rows[0]
-      data = t.data if rows is None else t.data[rows[0]:rows[1]]
-      row_bytes = t.n_bytes // t.data.shape[0]
-
-      def copied(lo: int, hi: int) -> None:  # Rows copied out of the map: their pages may go.
-        reader.release_pages(t.data_offset + (first + lo) * row_bytes, (hi - lo) * row_bytes)
-
-      m = qmatmul.from_gguf_blocks(kind, data, shape, copied=copied)
-      if not m.all_finite():  # The f16 scales (codes are integers), checked in place.
-        raise GGUFError(f"{path}: tensor {t.name!r} holds NaN or inf values; the file is "
-                        "corrupt (re-download or re-convert it).")
-      return m
-    if weights == WEIGHTS_GGUF:
-      requantized[t.tensor_type.name] = requantized.get(t.tensor_type.name, 0) + 1
-    return qmatmul.quantize_q8_0(loader.read_weight(tensors, where, shape, path))
+    return _read_matrix(reader, tensors, plan, path, weights, requantized, role, layer)
 
   def matrix(roles: list[str], layer: int | None = None):
     """The roles' matrices stacked by rows (one QMatrix when they share a format)."""

@@ -12,6 +12,7 @@ from pijax.backends import base
 from pijax.backends import xla
 from pijax.errors import ConfigError
 from pijax.nn import hybrid as hybrid_lib
+from pijax.offline import placement as placement_lib
 from pijax.offline import predictor as predictor_lib
 
 
@@ -50,15 +51,19 @@ class HybridBackend(xla.XlaBackend):
 
   def weight_bytes_per_token(self, ffn_sparsity: float = 0.0) -> tuple[int, int]:
     """Everything but the FFN, plus predictors (f32 MLP or 4-bit low-bit), plus every hot row
-    (the CPU path reads every hot row; the GPU kernel only active ones), plus the active share
-    of the cold rows (approximated by the overall active share)."""
+    (the CPU path reads every hot row; the GPU kernel only active ones; int8 rows:
+    `placement.int8_neuron_bytes` per neuron), plus the active share of the cold rows
+    (approximated by the overall active share; each layer's host bytes per neuron)."""
     cfg, spec = self.config, self.spec
     item = self.dtype.itemsize
     total = cfg.n_params() * item
     ffn = 3 * cfg.hidden_size * cfg.intermediate_size * cfg.n_layers * item
     neuron = 3 * cfg.hidden_size * item
-    hot = sum(spec.hot_counts) * neuron
-    cold = sum(cfg.intermediate_size - n for n in spec.hot_counts) * neuron
+    hot_neuron = placement_lib.int8_neuron_bytes(cfg) \
+        if spec.row_format == hybrid_lib.ROWS_INT8 else neuron
+    hot = sum(spec.hot_counts) * hot_neuron
+    cold = sum((cfg.intermediate_size - n) * (w.bytes_per_neuron if w is not None else 0)
+               for n, w in zip(spec.hot_counts, spec.host_layers))
     if spec.mode == hybrid_lib.MODE_PREDICTOR and \
         spec.predictor_kind == predictor_lib.PREDICTOR_LOWBIT:
       pred = predictor_lib.lowbit_bytes(cfg.hidden_size, cfg.intermediate_size) * cfg.n_layers
@@ -83,7 +88,6 @@ def replace_counts(model, *, hot_ratio: float | None = None,
     ConfigError: not a bundle, or a budget that is not a finite number > 0.
     BudgetError: the budget is too small for the dense part.
   """
-  from pijax.offline import placement as placement_lib
   if model.sparse is None:
     raise ConfigError(f"{model.path}: re-placing neurons needs a bundle (pijax.convert).")
   if device_budget_gb is not None and not (device_budget_gb > 0
@@ -106,7 +110,8 @@ def replace_counts(model, *, hot_ratio: float | None = None,
       budget_bytes=None if device_budget_gb is None else int(device_budget_gb * 1e9),
       max_seq_len=model.max_seq_len, dtype_bytes=model.dtype.itemsize, predictor_ranks=ranks,
       tile=int(model.sparse.manifest["placement"].get("tile", 64)), hot_ratio=hot_ratio,
-      predictor_neuron_bytes=per_neuron, predictor_bytes=dense_codes)
+      predictor_neuron_bytes=per_neuron, predictor_bytes=dense_codes,
+      hot_neuron_bytes=placement_lib.int8_neuron_bytes(cfg))
   return list(placement.hot_counts)
 
 
@@ -115,7 +120,8 @@ def for_model(model, mode: str = hybrid_lib.MODE_OFF, *, hot_ratio: float | None
               oracle_threshold: float | None = None, threshold_scale: float = 1.0,
               cut_offset: float = 0.0, predictor_kind: str = "auto",
               prefill_dense_tokens: int = 0, overlap: bool = False,
-              host_predict: bool | None = None, use_pallas: bool | None = None
+              host_predict: bool | None = None, use_pallas: bool | None = None,
+              row_format: str = hybrid_lib.ROWS_INT8, host_dot: str | None = None
               ) -> base.Backend:
   """The backend for `model` (`pijax.engine.Model`) in sparse mode `mode`.
 
@@ -134,6 +140,8 @@ def for_model(model, mode: str = hybrid_lib.MODE_OFF, *, hot_ratio: float | None
       `pijax.offline.predictor`).
     prefill_dense_tokens, overlap, host_predict: see `pijax.nn.hybrid.SparseSpec`.
     use_pallas: force the Pallas kernel for the hot part of decode (default: on GPU).
+    row_format, host_dot: see `pijax.nn.hybrid.build_hybrid` ("int8": the product; "f32":
+      the exact test oracle).
 
   Raises:
     ConfigError: bad mode, a plain GGUF with a sparse mode, bad hot_ratio or thread count.
@@ -165,5 +173,5 @@ def for_model(model, mode: str = hybrid_lib.MODE_OFF, *, hot_ratio: float | None
       model, mode=mode, hot_counts=hot_counts, oracle_threshold=oracle_threshold,
       threshold_scale=threshold_scale, cut_offset=cut_offset, predictor_kind=predictor_kind,
       prefill_dense_tokens=prefill_dense_tokens, overlap=overlap, host_predict=host_predict,
-      use_pallas=use_pallas)
+      use_pallas=use_pallas, row_format=row_format, host_dot=host_dot)
   return HybridBackend(model.config, spec, params, model.dtype)

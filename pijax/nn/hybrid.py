@@ -5,10 +5,13 @@ Per layer and token (PowerInfer, arXiv 2312.12456 §4-5):
      densely from the layer's activity threshold (mode "oracle", for correctness checks);
   2. neurons are stored sorted by activation frequency, so the first `hot_count` are hot:
      the device computes y_dev = sum over active hot i of act(gate_i.h, up_i.h) * down_i
-     (Pallas gather kernel on GPU for decode, the plain-jnp path on CPU);
-  3. the host computes the same over the active cold neurons, reading only their rows, in a
-     numba kernel reached by one `jax.pure_callback` per layer (`pijax.backends.bridge`: only h
-     and the index vector cross it; the callback closes over the layer's host rows);
+     (Pallas gather kernel on GPU for decode, the plain-jnp path on CPU) over int8 rows with
+     one f32 scale per 32 values (Q8_0-style: 1.125 bytes per weight);
+  3. the host computes the same over the active cold neurons, reading only their rows, on the
+     host engine's quantized rows (`host_ops.cold_ffn`: the source GGUF's gate/up blocks,
+     neuron-major Q8_0 down rows), reached by one `jax.pure_callback` per layer
+     (`pijax.backends.bridge`: only h and the index vector cross it; the callback closes over
+     the layer's host rows);
   4. y = y_dev + y_host.
 Each token uses its own active set (prefill rows too), so every path computes the same
 function: a dense FFN with the inactive neurons zeroed.
@@ -36,6 +39,12 @@ MODE_OFF = "off"
 MODE_ORACLE = "oracle"
 MODE_PREDICTOR = "predictor"
 MODES = (MODE_OFF, MODE_ORACLE, MODE_PREDICTOR)
+# Row formats of the hot (device) and cold (host) neurons: "int8" (the product: int8 device
+# rows, the host engine's quantized rows) or "f32" (the test oracle: exact f32 rows on both
+# sides, what transformers' dense model with neurons zeroed reproduces to 1e-5).
+ROWS_INT8 = "int8"
+ROWS_F32 = "f32"
+ROW_FORMATS = (ROWS_INT8, ROWS_F32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +54,12 @@ class SparseSpec:
   Attributes:
     mode: MODE_ORACLE or MODE_PREDICTOR.
     hot_counts: device-resident neurons per layer (the first hot_counts[l] stored neurons).
-    host_layers: per layer, the cold rows (`host_ops.sparse_ffn.HostFFNWeights`; None: no cold
-      rows). Objects hash by identity, so a spec is still a valid static argument.
+    host_layers: per layer, the cold rows (`host_ops.cold_ffn.QuantColdFFN`, or with f32 rows
+      `host_ops.sparse_ffn.HostFFNWeights`; None: no cold rows). Objects hash by identity, so a
+      spec is still a valid static argument.
     ranks: per-layer predictor rank (mode predictor, MLP predictors).
-    use_pallas: compute the hot part of decode with the Pallas kernel (GPU only).
+    use_pallas: compute the hot part of decode with the Pallas kernel (on a CPU backend in
+      Pallas' interpreter: for tests).
     predictor_kind: "mlp" (fc2(relu(fc1(x)))) or "lowbit" (4-bit gate/up estimate), see
       `pijax.offline.predictor`.
     overlap: run the host part concurrently with the device's hot part: a first callback
@@ -75,10 +86,30 @@ class SparseSpec:
   overlap: bool = False
   host_predict: bool = False
   overlap_worker: Any = None  # pijax.backends.bridge.Overlap when overlap is on.
+  row_format: str = ROWS_INT8  # ROW_FORMATS: the hot rows' params and the cold rows' class.
 
   def make_ffn(self, config: ModelConfig, layer: int, name: str) -> nn.Module:
     """The FFN module of `layer` (what `pijax.nn.transformer.Block` runs when given a spec)."""
     return HybridFFN(config, self, layer, name=name)
+
+
+Q8_BLOCK = 32  # Values per f32 scale of the int8 rows (`pallas_kernels.sparse_ffn.Q8_BLOCK`).
+
+
+def quantize_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """f32[n, D] -> (i8[n, D], f32[n, D/32]): Q8_0-style blocks of 32 (scale = max|block| / 127,
+  q = round(value / scale)), as `pallas_kernels.sparse_ffn.quantize_rows_q8` (in NumPy, so a
+  bundle's rows are quantized at load without a device copy of the f32 rows)."""
+  from host_ops import quant
+  q8 = quant.quantize_q8(np.asarray(rows, np.float32))
+  return q8.q, q8.scales
+
+
+def dequantize_rows(q: jax.Array, scales: jax.Array) -> jax.Array:
+  """(i8[n, D], f32[n, D/32]) -> f32[n, D] = q * its block's scale."""
+  n, d = q.shape
+  blocks = q.astype(jnp.float32).reshape(n, d // Q8_BLOCK, Q8_BLOCK) * scales[..., None]
+  return blocks.reshape(n, d)
 
 
 def _cold_ids(cold_mask: jax.Array | None, n_cold: int) -> jax.Array:
@@ -91,7 +122,8 @@ class HybridFFN(nn.Module):
   """The hybrid FFN of one layer (see the module docstring).
 
   Params (neuron-major, rows sorted by activation frequency):
-    hot/{gate, up, down}: [n_hot, D] device-resident rows.
+    hot_{gate, up, down}: i8[n_hot, D] device-resident rows with hot_{gate, up, down}_scale:
+      f32[n_hot, D/32] (row format int8; f32 rows: [n_hot, D] of the model dtype, no scales).
     fc1: f32[D, r], fc2: f32[r, F], cut: f32[], rms_bound: f32[] (mode predictor, MLP; tokens
       with residual rms above rms_bound run dense, see `pijax.offline.predictor.predict_active`).
     gate_codes, up_codes: uint8[F, D/2], gate_scales, up_scales: f16[F, D/32], cut: f32[]
@@ -169,18 +201,25 @@ class HybridFFN(nn.Module):
       h_dev = h
     y = jnp.zeros((b, t, d), jnp.float32)
     if n_hot:
-      hot_gate = self.param("hot_gate", zeros, (n_hot, d), h.dtype)
-      hot_up = self.param("hot_up", zeros, (n_hot, d), h.dtype)
-      hot_down = self.param("hot_down", zeros, (n_hot, d), h.dtype)
+      int8 = spec.row_format == ROWS_INT8
+      rows = [self.param(f"hot_{name}", zeros, (n_hot, d), jnp.int8 if int8 else h.dtype)
+              for name in ("gate", "up", "down")]
+      scales = [self.param(f"hot_{name}_scale", zeros, (n_hot, d // Q8_BLOCK), jnp.float32)
+                for name in ("gate", "up", "down")] if int8 else None
       hot_mask = mask[..., :n_hot]
       if spec.use_pallas and b * t == 1:
         from pallas_kernels import sparse_ffn as pallas_ffn
         size = pallas_ffn.next_pow2(n_hot)
         idx = jnp.nonzero(hot_mask.reshape(-1), size=size, fill_value=-1)[0].astype(jnp.int32)
-        y = y + pallas_ffn.sparse_ffn(h_dev.reshape(1, d), hot_gate, hot_up, hot_down, idx,
-                                      family=cfg.ffn_family).reshape(b, t, d)
+        y = y + pallas_ffn.sparse_ffn(h_dev.reshape(1, d), *rows, idx, family=cfg.ffn_family,
+                                      scales=None if scales is None else tuple(scales),
+                                      interpret=jax.default_backend() != "gpu"  # CPU tests.
+                                      ).reshape(b, t, d)
       else:
-        if g_all is not None:  # Oracle: computed for the mask (rows 0..n_hot).
+        if int8:  # XLA: the rows dequantized in the step (XLA CPU converts them each step).
+          rows = [dequantize_rows(q, sc).astype(h.dtype) for q, sc in zip(rows, scales)]
+        hot_gate, hot_up, hot_down = rows
+        if g_all is not None and not int8:  # Oracle, f32: computed for the mask already.
           g, u = g_all[..., :n_hot], u_all[..., :n_hot]
         else:
           g = jnp.einsum("BTD,ND->BTN", h_dev, hot_gate, preferred_element_type=jnp.float32)
@@ -260,7 +299,8 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
                  oracle_threshold: float | None = None, use_pallas: bool | None = None,
                  threshold_scale: float = 1.0, cut_offset: float = 0.0,
                  predictor_kind: str = "auto", prefill_dense_tokens: int = 0,
-                 overlap: bool = False, host_predict: bool | None = None
+                 overlap: bool = False, host_predict: bool | None = None,
+                 row_format: str = ROWS_INT8, host_dot: str | None = None
                  ) -> tuple[SparseSpec, dict[str, Any]]:
   """Device params and host registrations for a bundle-loaded model.
 
@@ -278,14 +318,19 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
     prefill_dense_tokens, overlap: see `SparseSpec`.
     host_predict: see `SparseSpec` (default: on for the low-bit predictor).
     use_pallas: Pallas for the hot part of decode (default: when the backend is GPU).
+    row_format: "int8" (hot rows int8 on the device, cold rows the host engine's: the source
+      GGUF's gate/up blocks and Q8_0 down rows, `host_ops.cold_ffn`) or "f32" (exact f32 rows
+      on both sides: the test oracle).
+    host_dot: the cold part's products ("int8" default, or "f32"; row format int8 only).
 
   Returns:
     (spec, params): params is the model's param tree with each layer's "ffn" replaced by the
-    HybridFFN params. The spec holds each layer's cold rows (HostFFNWeights).
+    HybridFFN params. The spec holds each layer's cold rows (QuantColdFFN, f32: HostFFNWeights).
 
   Raises:
     ConfigError: not a bundle, bad mode or hot counts.
   """
+  from host_ops import cold_ffn
   from host_ops import sparse_ffn as host_ffn
   if model.sparse is None:
     raise ConfigError(f"{model.path}: --sparse={mode} needs a bundle made by pijax.convert; "
@@ -312,6 +357,12 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
     host_predict = default_host_predict(predictor_kind, overlap)
   host_predict = bool(host_predict) and mode == MODE_PREDICTOR and \
       predictor_kind == predictor_lib.PREDICTOR_LOWBIT
+  if row_format not in ROW_FORMATS:
+    raise ConfigError(f"row_format={row_format!r} must be one of {', '.join(ROW_FORMATS)}.")
+  from host_ops import qmatmul
+  if host_dot is not None and (host_dot not in qmatmul.DOTS or row_format != ROWS_INT8):
+    raise ConfigError(f"--host_dot={host_dot!r} must be one of {', '.join(qmatmul.DOTS)} "
+                      "(the cold part's products on the host engine's rows).")
   if int(prefill_dense_tokens) < 0:
     raise ConfigError(f"--prefill_dense_tokens={prefill_dense_tokens} must be >= 0 (0 = never).")
   f = cfg.intermediate_size
@@ -323,15 +374,27 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
   dtype = model.dtype
   params = dict(model.params)
   bundle_rows = model.sparse.ffn  # Built with model.params (`pijax.bundle_load.attach`).
+  int8 = row_format == ROWS_INT8
+  file_rows = None
+  if int8 and model.file_stamp is not None and any(int(n) < f for n in hot):
+    # The cold gate/up rows: the source GGUF's own blocks (a model built in memory, with no
+    # file: its rows re-quantized to Q8_0 below).
+    from pijax import load_checks
+    from pijax.backends import host as host_backend
+    load_checks.check_unchanged(*model.file_stamp)  # Its blocks are read now.
+    file_rows = host_backend.ffn_file_matrices(model.file_stamp[0], cfg)
   host_layers = []
   for i in range(cfg.n_layers):
     rows = bundle_rows[f"layers_{i}"]
     n_hot = int(hot[i])
     ffn: dict[str, Any] = {}
     if n_hot:
-      ffn["hot_gate"] = jnp.asarray(rows["gate"][:n_hot], dtype)
-      ffn["hot_up"] = jnp.asarray(rows["up"][:n_hot], dtype)
-      ffn["hot_down"] = jnp.asarray(rows["down"][:n_hot], dtype)
+      for name in ("gate", "up", "down"):
+        if int8:
+          q, sc = quantize_rows(rows[name][:n_hot])
+          ffn[f"hot_{name}"], ffn[f"hot_{name}_scale"] = jnp.asarray(q), jnp.asarray(sc)
+        else:
+          ffn[f"hot_{name}"] = jnp.asarray(rows[name][:n_hot], dtype)
     if mode == MODE_ORACLE:
       ffn["all_gate"] = jnp.asarray(rows["gate"], dtype)
       ffn["all_up"] = jnp.asarray(rows["up"], dtype)
@@ -354,11 +417,23 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
       ffn["fc2"] = jnp.asarray(pred["fc2"], jnp.float32)
       ffn["cut"] = jnp.asarray(model.sparse.cuts[i] + cut_offset, jnp.float32)
       ffn["rms_bound"] = jnp.asarray(model.sparse.rms_bounds[i], jnp.float32)
-    if n_hot < f:
+    if n_hot < f and int8:
+      if file_rows is not None:
+        cold = np.asarray(model.sparse.perm[i][n_hot:])  # File neuron ids, in bundle order.
+        gate, up = (m.take_rows(cold) for m in file_rows[i])
+      else:
+        gate, up = (qmatmul.quantize_q8_0(np.ascontiguousarray(rows[k][n_hot:], np.float32))
+                    for k in ("gate", "up"))
+      down_t = qmatmul.quantize_q8_0(np.ascontiguousarray(rows["down"][n_hot:], np.float32))
+      weights = cold_ffn.QuantColdFFN(gate, up, down_t,
+                                      cfg.ffn_family,
+                                      dot=qmatmul.DOT_INT8 if host_dot is None else host_dot)
+    elif n_hot < f:
       weights = host_ffn.HostFFNWeights(
           np.ascontiguousarray(rows["gate"][n_hot:], np.float32),
           np.ascontiguousarray(rows["up"][n_hot:], np.float32),
           np.ascontiguousarray(rows["down"][n_hot:], np.float32), cfg.ffn_family)
+    if n_hot < f:
       if host_predict:
         from host_ops import lowbit as host_lowbit
         weights.lowbit = host_lowbit.LowbitPredictor(
@@ -377,7 +452,8 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
                     host_layers=tuple(host_layers), ranks=ranks, use_pallas=bool(use_pallas),
                     predictor_kind=predictor_kind, prefill_dense_tokens=int(prefill_dense_tokens),
                     overlap=bool(overlap), host_predict=host_predict,
-                    overlap_worker=bridge.Overlap() if overlap else None)
+                    overlap_worker=bridge.Overlap() if overlap else None,
+                    row_format=row_format)
   return spec, params
 
 

@@ -154,6 +154,12 @@ def neuron_bytes(config: ModelConfig, dtype_bytes: int) -> int:
   return 3 * config.hidden_size * _positive_int("dtype_bytes", dtype_bytes)
 
 
+def int8_neuron_bytes(config: ModelConfig) -> int:
+  """Device bytes of one hot neuron held as int8 blocks (`pallas_kernels.sparse_ffn`'s
+  Q8_0-style rows: 32 int8 values and one f32 scale per block): 3 rows x hidden x 36 / 32."""
+  return 3 * config.hidden_size // 32 * 36
+
+
 def _check_frequencies(frequencies: np.ndarray) -> np.ndarray:
   freqs = np.asarray(frequencies, dtype=np.float64)
   if freqs.ndim != 2 or freqs.shape[0] < 1 or freqs.shape[1] < 1:
@@ -407,7 +413,8 @@ def place(config: ModelConfig, frequencies: np.ndarray, *, budget_bytes: int | f
           layer_weights: np.ndarray | None = None, hot_ratio: float | None = None,
           embedding_on_device: bool = True, kv_dtype_bytes: int | None = None,
           predictor_neuron_bytes: int = 0,
-          predictor_bytes: int | None = None) -> Placement:
+          predictor_bytes: int | None = None,
+          hot_neuron_bytes: int | None = None) -> Placement:
   """Places the dense part, then the hottest FFN neurons, within a device budget.
 
   Args:
@@ -427,6 +434,8 @@ def place(config: ModelConfig, frequencies: np.ndarray, *, budget_bytes: int | f
       predictor's 4-bit gate/up codes of the hot rows: `pijax.offline.predictor.lowbit_bytes`
       of one neuron); 0 for MLP predictors, counted in the dense part by their ranks.
     predictor_bytes: see `dense_device_bytes`.
+    hot_neuron_bytes: device bytes of one hot neuron's rows (`int8_neuron_bytes` for the
+      hybrid backend's int8 rows); None = 3 * hidden * dtype_bytes (`neuron_bytes`).
 
   Returns:
     Placement with device_bytes <= budget_bytes.
@@ -451,8 +460,9 @@ def place(config: ModelConfig, frequencies: np.ndarray, *, budget_bytes: int | f
                              predictor_ranks=predictor_ranks,
                              embedding_on_device=embedding_on_device,
                              kv_dtype_bytes=kv_dtype_bytes, predictor_bytes=predictor_bytes)
-  one_neuron = neuron_bytes(config, dtype_bytes) + _nonnegative_int("predictor_neuron_bytes",
-                                                                   predictor_neuron_bytes)
+  rows = neuron_bytes(config, dtype_bytes) if hot_neuron_bytes is None else \
+      _positive_int("hot_neuron_bytes", hot_neuron_bytes)
+  one_neuron = rows + _nonnegative_int("predictor_neuron_bytes", predictor_neuron_bytes)
   if not no_budget and dense.total > budget_bytes:
     remedies = ["raise --device_budget_gb", "lower --max_seq_len"]
     if dtype_bytes > 2:
