@@ -18,8 +18,7 @@ For a token h: f32[D] (the normed FFN input) and its active cold neurons A:
 with the products of the decoder's dot: "int8" (h quantized per 32 values, as every dense host
 product reads it) or "f32". ReLU families read the up row only where the gate passes (a neuron
 with gate <= 0 is an exact zero). Ids: i32[b, k] per row or i32[k] shared, negative = padding
-wherever it sits, unique within a list (a repeated id counts once: the activations are
-scattered). Outputs do not depend on the thread count for the gathered dots; the down pass
+wherever it sits; a repeated id counts once. Outputs do not depend on the thread count for the gathered dots; the down pass
 sums per-thread partials in thread order (bitwise reproducible for a fixed thread count).
 
 Layout per STYLE.md: kernel (`_cold_kernel`) -> `QuantColdFFN` (validates; what a callback
@@ -42,17 +41,22 @@ from host_ops.common import HostOpError
 
 @numba.njit(**common.JIT)
 def _compact(ids, n):
-  """ids i32[b, k] (negative = padding anywhere) -> (i32[b, n] valid ids first, i64[b] counts)."""
+  """ids i32[b, k] (negative = padding anywhere, each id < n) -> (i32[b, n] the distinct valid
+  ids first, in first-seen order; i64[b] counts). A repeated id counts once."""
   b = ids.shape[0]
   out = np.zeros((b, n), np.int32)
   counts = np.zeros(b, np.int64)
+  seen = np.zeros(n, np.bool_)
   for r in range(b):
     c = 0
     for j in range(ids.shape[1]):
       i = ids[r, j]
-      if i >= 0:
+      if i >= 0 and not seen[i]:
+        seen[i] = True
         out[r, c] = i
         c += 1
+    for j in range(c):  # Reset for the next row.
+      seen[out[r, j]] = False
     counts[r] = c
   return out, counts
 
@@ -134,8 +138,15 @@ class QuantColdFFN:
       raise HostOpError(f"ids must be int[k] or int[{b}, k], got {ids.dtype}{list(ids.shape)}")
     if ids.size and ids.max() >= self.n:
       raise HostOpError(f"cold id {int(ids.max())} out of range [0, {self.n})")
+    ids = np.where(ids < 0, -1, ids) if ids.size and ids.min() < 0 else ids  # Any negative pads.
     ids2 = np.broadcast_to(ids.reshape(1, -1), (b, ids.shape[-1])) if ids.ndim == 1 else ids
     return _compact(np.ascontiguousarray(ids2, np.int32), self.n)
+
+  def _input(self, x) -> tuple[np.ndarray, bool]:
+    h, squeeze = common.prepare_x(x, self.d)
+    if not np.isfinite(h).all():  # The int8 quantizer would turn NaN / inf into finite noise.
+      raise HostOpError("cold FFN input holds NaN or inf (the model diverged upstream)")
+    return h, squeeze
 
   def _run(self, h: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> np.ndarray:
     y, _ = _cold_kernel(h, ids, counts, self._gate_rows, self._up_rows, np.int64(self._kind),
@@ -148,9 +159,9 @@ class QuantColdFFN:
     (negative = padding) -> f32[b, D] (f32[D] for 1-D x).
 
     Raises:
-      HostOpError: bad shapes, or an id >= n.
+      HostOpError: bad shapes, an id >= n, NaN or inf in x.
     """
-    h, squeeze = common.prepare_x(x, self.d)
+    h, squeeze = self._input(x)
     ids, counts = self._ids(ids, h.shape[0])
     y = self._run(h, ids, counts)
     return y[0] if squeeze else y
@@ -160,7 +171,7 @@ class QuantColdFFN:
     them: x f32[b, D] -> (y f32[b, D], active i64[b])."""
     if self.lowbit is None:
       raise HostOpError("run_predicted needs a low-bit predictor attached (lowbit)")
-    h, _ = common.prepare_x(x, self.d)
+    h, _ = self._input(x)
     ids, counts = self.lowbit.active_ids(h, self.family)
     return self._run(h, ids, counts.astype(np.int64)), counts.astype(np.int64)
 

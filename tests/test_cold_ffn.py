@@ -115,6 +115,12 @@ def test_cold_ffn_refuses_bad_input():
     w(x, np.zeros((3, 4), np.int32))
   with pytest.raises(HostOpError, match="x must be"):
     w(np.zeros((2, 63), np.float32), np.zeros(1, np.int32))
+  with pytest.raises(HostOpError, match="NaN or inf"):
+    w(np.where(np.arange(64) == 5, np.nan, x), np.arange(4, dtype=np.int32))
+  # A repeated id counts once; a negative id of any width is padding, never wrapped.
+  once = w(x, np.array([3], np.int32))
+  np.testing.assert_array_equal(w(x, np.array([3] * 60, np.int64)), once)
+  np.testing.assert_array_equal(w(x, np.array([3, -2**32 + 5, -1], np.int64)), once)
   with pytest.raises(HostOpError, match="Q8_0 down_t"):
     cold_ffn.QuantColdFFN(w.gate, w.up, w.gate, "swiglu")
   with pytest.raises(HostOpError, match="unknown FFN family"):

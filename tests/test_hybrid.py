@@ -396,6 +396,7 @@ def test_int8_rows_follow_the_f32_model(bundle_model, prompt_ids, hf_model):
   logits = bundle_model.prompt_logits(prompt_ids)
   cfg, spec = bundle_model.config, bundle_model.backend.spec
   read, total = bundle_model.backend.weight_bytes_per_token(0.0)
+  assert bundle_model.weights_label == "float32 + int8 hot + q4_1/q8_0 host int8"
   bundle_model.configure_sparse("predictor", hot_ratio=0.3)
   result = bundle_model.generate("The capital of France is", max_new_tokens=12)
   bundle_model.configure_host_weights("off")

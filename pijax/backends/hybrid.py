@@ -40,6 +40,23 @@ class HybridBackend(xla.XlaBackend):
   def mode(self) -> str:
     return self.spec.mode
 
+  @property
+  def label(self) -> str:
+    """How the weights are held, e.g. "float32 + int8 hot + q4_1/q8_0 host int8": the XLA
+    part's dtype, then (int8 row format) the hot rows and the cold rows' gate/up + down kinds
+    and products."""
+    spec = self.spec
+    if spec.row_format != hybrid_lib.ROWS_INT8:
+      return f"{self.dtype} (f32 hot and cold rows)"
+    parts = [str(self.dtype)]
+    if any(spec.hot_counts):
+      parts.append("int8 hot")
+    cold = [w for w in spec.host_layers if w is not None]
+    if cold:
+      kinds = sorted({w.gate.kind for w in cold} | {w.down_t.kind for w in cold})
+      parts.append(f"{'/'.join(kinds)} host {cold[0].dot}")
+    return " + ".join(parts)
+
   def prefill(self, params, state, tokens, length, pos, *, kv_len, all_logits):
     return hybrid_lib.hybrid_prefill(params, state, tokens, length, config=self.config,
                                      kv_len=kv_len, sparse=self.spec, pos=pos,

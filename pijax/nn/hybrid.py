@@ -360,9 +360,12 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
   if row_format not in ROW_FORMATS:
     raise ConfigError(f"row_format={row_format!r} must be one of {', '.join(ROW_FORMATS)}.")
   from host_ops import qmatmul
-  if host_dot is not None and (host_dot not in qmatmul.DOTS or row_format != ROWS_INT8):
+  if host_dot is not None and host_dot not in qmatmul.DOTS:
     raise ConfigError(f"--host_dot={host_dot!r} must be one of {', '.join(qmatmul.DOTS)} "
                       "(the cold part's products on the host engine's rows).")
+  if host_dot is not None and row_format != ROWS_INT8:
+    raise ConfigError(f"host_dot applies to the int8 row format's host rows; row_format="
+                      f"{row_format!r} computes exact f32 rows (drop host_dot).")
   if int(prefill_dense_tokens) < 0:
     raise ConfigError(f"--prefill_dense_tokens={prefill_dense_tokens} must be >= 0 (0 = never).")
   f = cfg.intermediate_size
