@@ -89,7 +89,7 @@ class QuantColdFFN:
     family: "swiglu" | "reglu" | "drelu".
     dot: "int8" | "f32" (the products, `host_ops.qmatmul.DOTS`).
     n, d: cold neurons and hidden size.
-    gate, up: the cold neurons' QMatrix rows as given (file blocks; kept for `reference`).
+    kind: the gate/up rows' block kind (a `qmatmul` kind name, e.g. "q4_1").
     down_t: Q8_0 QMatrix [n, D], neuron-major (row i = neuron i's output weights).
     lowbit: a `host_ops.lowbit.LowbitPredictor` of these neurons, for `run_predicted`.
   """
@@ -112,7 +112,7 @@ class QuantColdFFN:
                         f"down_t {down_t.kind} {down_t.shape}; need gate and up of one block "
                         f"kind and Q8_0 down_t, all [n, D]")
     self.family, self.dot, self.n, self.d = family, dot, n, d
-    self.gate, self.up, self.down_t = gate, up, down_t
+    self.kind, self.down_t = gate.kind, down_t  # gate/up are kept only in the dots' layout.
     self.int8 = predicted_ffn.int8_dots(gate.kind, dot)
     code = qblocks.KIND_CODES[gate.kind]
     self._gate_rows, self._kind = predicted_ffn.gather_rows(predicted_ffn.file_rows(gate),
@@ -175,14 +175,30 @@ class QuantColdFFN:
     ids, counts = self.lowbit.active_ids(h, self.family)
     return self._run(h, ids, counts.astype(np.int64)), counts.astype(np.int64)
 
+  def values(self, name: str) -> np.ndarray:
+    """f64[n, D]: the held "gate" or "up" rows' values (records laid back into file blocks,
+    then `qmatmul.dequantize_reference`): what the references read."""
+    rows = self._gate_rows if name == "gate" else self._up_rows
+    if self._kind >= predicted_ffn.RECORDS:  # Records -> the file's blocks.
+      code_bytes, head = predicted_ffn.RECORD_BLOCKS[self._kind - predicted_ffn.RECORDS]
+      nb = self.d // qmatmul.BLOCK
+      nq = code_bytes * nb
+      blocks = np.empty((self.n, nb, code_bytes + head), np.uint8)
+      blocks[..., head:] = rows[:, :nq].reshape(self.n, nb, code_bytes)
+      for k in range(head // 2):  # d, then (Q4_1) m.
+        blocks[..., 2 * k:2 * k + 2] = rows[:, nq + 2 * nb * k:nq + 2 * nb * (k + 1)].reshape(
+            self.n, nb, 2)
+      rows = blocks.reshape(self.n, -1)
+    return qmatmul.dequantize_reference(qmatmul.from_gguf_blocks(self.kind, rows,
+                                                                 (self.n, self.d)))
+
   def reference(self, x, ids) -> np.ndarray:
     """Float64 NumPy reference of `self(x, ids)`: the dequantized rows, h quantized per 32
     values as the int8 dots read it (`predicted_ffn`'s convention)."""
     int8 = self.int8
     x = np.asarray(x, np.float32)
     x2 = x.reshape(1, -1) if x.ndim == 1 else x
-    gate = qmatmul.dequantize_reference(self.gate)
-    up = qmatmul.dequantize_reference(self.up)
+    gate, up = self.values("gate"), self.values("up")
     xk = qpack.x_hat_reference(qmatmul.Q4_0, x2) if int8 else x2.astype(np.float64)
     ids = np.asarray(ids)
     ids2 = np.broadcast_to(ids.reshape(1, -1), (x2.shape[0], ids.shape[-1])) \
@@ -202,4 +218,4 @@ class QuantColdFFN:
 
   def __repr__(self) -> str:
     return (f"QuantColdFFN(n={self.n}, d={self.d}, family={self.family!r}, "
-            f"rows={self.gate.kind}, dot={self.dot!r}, nbytes={self.nbytes})")
+            f"rows={self.kind}, dot={self.dot!r}, nbytes={self.nbytes})")

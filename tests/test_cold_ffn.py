@@ -32,7 +32,12 @@ def _two_threads():
 def _layer(rng, kind, family, dot, n=45, d=64):
   gate, up = _matrix(rng, kind, n, d), _matrix(rng, kind, n, d)
   down_t = qmatmul.quantize_q8_0(rng.standard_normal((n, d)).astype(np.float32))
-  return cold_ffn.QuantColdFFN(gate, up, down_t, family, dot=dot)
+  w = cold_ffn.QuantColdFFN(gate, up, down_t, family, dot=dot)
+  w.source = (gate, up)  # The test's own copies (the layer keeps only the dots' layout).
+  # The values the references read are the given rows' (records laid back into blocks).
+  np.testing.assert_array_equal(w.values("gate"), qmatmul.dequantize_reference(gate))
+  np.testing.assert_array_equal(w.values("up"), qmatmul.dequantize_reference(up))
+  return w
 
 
 def _ids(rng, case, b, n):
@@ -80,8 +85,8 @@ def test_cold_ffn_full_set_is_the_dense_ffn():
   x = rng.standard_normal((2, 64)).astype(np.float32)
   from host_ops import qpack
   xk = qpack.x_hat_reference(qmatmul.Q4_0, x)
-  g = xk @ qmatmul.dequantize_reference(w.gate).T
-  u = xk @ qmatmul.dequantize_reference(w.up).T
+  g = xk @ qmatmul.dequantize_reference(w.source[0]).T
+  u = xk @ qmatmul.dequantize_reference(w.source[1]).T
   dense = (g / (1 + np.exp(-g)) * u) @ qmatmul.dequantize_reference(w.down_t)
   y = w(x, np.arange(64, dtype=np.int32))
   np.testing.assert_allclose(y, dense, atol=2e-5 * np.abs(dense).max(), rtol=0)
@@ -92,8 +97,8 @@ def test_cold_ffn_host_predicted_matches_its_ids():
   rng = np.random.default_rng(3)
   n, d = 40, 64
   w = _layer(rng, "q4_0", "swiglu", "int8", n=n, d=d)
-  gate_f = qmatmul.dequantize_reference(w.gate).astype(np.float32)
-  up_f = qmatmul.dequantize_reference(w.up).astype(np.float32)
+  gate_f = qmatmul.dequantize_reference(w.source[0]).astype(np.float32)
+  up_f = qmatmul.dequantize_reference(w.source[1]).astype(np.float32)
   p = predictor_lib.lowbit_params(gate_f, up_f)
   w.lowbit = lowbit_lib.LowbitPredictor(p["gate_codes"], p["gate_scales"].astype(np.float32),
                                         p["up_codes"], p["up_scales"].astype(np.float32), 0.3)
@@ -122,6 +127,6 @@ def test_cold_ffn_refuses_bad_input():
   np.testing.assert_array_equal(w(x, np.array([3] * 60, np.int64)), once)
   np.testing.assert_array_equal(w(x, np.array([3, -2**32 + 5, -1], np.int64)), once)
   with pytest.raises(HostOpError, match="Q8_0 down_t"):
-    cold_ffn.QuantColdFFN(w.gate, w.up, w.gate, "swiglu")
+    cold_ffn.QuantColdFFN(*w.source, w.source[0], "swiglu")
   with pytest.raises(HostOpError, match="unknown FFN family"):
-    cold_ffn.QuantColdFFN(w.gate, w.up, w.down_t, "gelu")
+    cold_ffn.QuantColdFFN(*w.source, w.down_t, "gelu")

@@ -365,7 +365,7 @@ def test_int8_rows_split_and_merge_exact(bundle_model, hot_ratio):
     cold = spec.host_layers[layer]
     assert (cold is None) == (n_hot == f)
     if cold is not None:
-      assert cold.gate.kind == "q4_1" and cold.down_t.kind == "q8_0"
+      assert cold.kind == "q4_1" and cold.down_t.kind == "q8_0"
     x = rng.standard_normal((1, 3, d)).astype(np.float32)
     h = rng.standard_normal((1, 3, d)).astype(np.float32)
     y, state = hybrid.HybridFFN(cfg, spec, layer).apply(

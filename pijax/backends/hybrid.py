@@ -53,7 +53,7 @@ class HybridBackend(xla.XlaBackend):
       parts.append("int8 hot")
     cold = [w for w in spec.host_layers if w is not None]
     if cold:
-      kinds = sorted({w.gate.kind for w in cold} | {w.down_t.kind for w in cold})
+      kinds = sorted({w.kind for w in cold} | {w.down_t.kind for w in cold})
       parts.append(f"{'/'.join(kinds)} host {cold[0].dot}")
     return " + ".join(parts)
 

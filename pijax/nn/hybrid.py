@@ -424,6 +424,7 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
       if file_rows is not None:
         cold = np.asarray(model.sparse.perm[i][n_hot:])  # File neuron ids, in bundle order.
         gate, up = (m.take_rows(cold) for m in file_rows[i])
+        file_rows[i] = None  # This layer's whole matrices are no longer needed.
       else:
         gate, up = (qmatmul.quantize_q8_0(np.ascontiguousarray(rows[k][n_hot:], np.float32))
                     for k in ("gate", "up"))
