@@ -135,11 +135,9 @@ def lowbit_sparse_ffn_host(pred: LowbitPredictor, gate, up, down, x, family: str
                       f"(D must be a multiple of {BLOCK})")
   code = common.family_code(family)
   n_threads = common.ensure_host_threads()
-  xe, xo = np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2])
   # Pass 1: the predicted active ids; pass 2: the exact rows of those ids only, with the
   # sparse op's prefetching (one fused loop with a branch per neuron was slower).
-  ids, counts = _lowbit_active_kernel(pred.gate_codes, pred.gate_scales, pred.up_codes,
-                                      pred.up_scales, xe, xo, np.float32(pred.cut), code)
+  ids, counts = pred.active_ids(x, family)
   y = sparse_ffn.sparse_ffn_f32_kernel(gate, up, down, x, ids, counts, False, code, n_threads,
                                         common.PREFETCH_AHEAD)
   return y, counts.astype(np.int64)

@@ -66,10 +66,7 @@ def backend_for(model: Any, mode: str, *, hot_ratio: float | None = None,
   if host_threads is not None:
     host.set_threads(host_threads)
   from pijax.nn import hybrid as hybrid_nn
-  row_format = options.get("row_format", hybrid_nn.ROWS_INT8)
-  if row_format not in hybrid_nn.ROW_FORMATS:  # Checked whichever backend runs.
-    raise ConfigError(f"row_format={row_format!r} must be one of "
-                      f"{', '.join(hybrid_nn.ROW_FORMATS)}.")
+  hybrid_nn.check_row_format(options.get("row_format", hybrid_nn.ROWS_INT8))  # Either backend.
   all_host = not hot_ratio and device_budget_gb is None and not use_pallas
   on_host = (all_host and predictor_kind == "auto" and options.get("overlap") in (None, False)
              and host.bundle_runs_on_host(model, mode))

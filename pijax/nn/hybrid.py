@@ -357,8 +357,7 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
     host_predict = default_host_predict(predictor_kind, overlap)
   host_predict = bool(host_predict) and mode == MODE_PREDICTOR and \
       predictor_kind == predictor_lib.PREDICTOR_LOWBIT
-  if row_format not in ROW_FORMATS:
-    raise ConfigError(f"row_format={row_format!r} must be one of {', '.join(ROW_FORMATS)}.")
+  check_row_format(row_format)
   from host_ops import qmatmul
   if host_dot is not None and host_dot not in qmatmul.DOTS:
     raise ConfigError(f"--host_dot={host_dot!r} must be one of {', '.join(qmatmul.DOTS)} "
@@ -459,6 +458,13 @@ def build_hybrid(model, *, mode: str, hot_counts: list[int] | None = None,
                     overlap_worker=bridge.Overlap() if overlap else None,
                     row_format=row_format)
   return spec, params
+
+
+def check_row_format(row_format: str) -> str:
+  """row_format, or ConfigError when it is not one of ROW_FORMATS."""
+  if row_format not in ROW_FORMATS:
+    raise ConfigError(f"row_format={row_format!r} must be one of {', '.join(ROW_FORMATS)}.")
+  return row_format
 
 
 def default_host_predict(predictor_kind: str, overlap: bool) -> bool:
