@@ -31,6 +31,7 @@ import numpy as np
 import host_ops
 from host_ops import decoder as decoder_lib
 from host_ops import gated_ffn
+from host_ops import pool as pool_lib
 from host_ops import predicted_ffn
 from host_ops import qconcat
 from host_ops import qmatmul
@@ -93,6 +94,7 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
   tensors = {t.name: t for t in reader.tensors}
   plan = {(role, i): (where, shape) for role, i, where, shape in loader.weight_plan(config, path)}
   requantized: dict[str, int] = {}  # GGML type -> tensors re-quantized to Q8_0.
+  head_role = "embedding" if config.tied_output else "lm_head"
 
   def f32(role: str, layer: int | None = None) -> np.ndarray:
     return loader.read_weight(tensors, *plan[role, layer], path)
@@ -114,7 +116,13 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
       def copied(lo: int, hi: int) -> None:  # Rows copied out of the map: their pages may go.
         reader.release_pages(t.data_offset + (first + lo) * row_bytes, (hi - lo) * row_bytes)
 
-      m = qmatmul.from_gguf_blocks(kind, data, shape, copied=copied)
+      if role == head_role and kind == qmatmul.Q8_0 and dot == qmatmul.DOT_INT8 and \
+          pool_lib.head_packable(kind, shape, config.tied_output):
+        # Packed straight from the map, chunk by chunk: no split copy beside the packed one.
+        blocks = np.ascontiguousarray(data).reshape(-1).view(np.uint8).reshape(shape[0], -1)
+        m = pool_lib.PackedMatrix.from_rows(kind, lambda lo, hi: blocks[lo:hi], shape, copied)
+      else:
+        m = qmatmul.from_gguf_blocks(kind, data, shape, copied=copied)
       if not m.all_finite():  # The f16 scales (codes are integers), checked in place.
         raise GGUFError(f"{path}: tensor {t.name!r} holds NaN or inf values; the file is "
                         "corrupt (re-download or re-convert it).")
