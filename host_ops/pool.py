@@ -16,8 +16,12 @@ GEMV_MAX_ROWS activation rows, else 16 rows dequantized once and dotted with eve
 row in an order fixed by the kernel, so results do not depend on the other rows of a batch (int8
 at any batch; f32 up to GEMV_MAX_ROWS rows, where the product changes kernel).
 
+The LM head (and a Q8_0 token embedding tied to it) is packed apart, as one `PackedMatrix`
+(issue 30: the head is 30 of SmolLM2's 96 MB and 180 of Gemma 3 270M's 250 MB, and every logit
+of a perplexity pass goes through it).
+
 Layout per STYLE.md: numba drivers -> WeightPool (builds, validates) -> PooledMatrix (the file's
-blocks back, for references and the sparse FFN's own copies).
+blocks back, for references and the sparse FFN's own copies) -> PackedMatrix (the head).
 """
 
 from __future__ import annotations

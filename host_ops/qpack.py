@@ -31,7 +31,8 @@ Arithmetic: llama.cpp's pairings. K-quants against x quantized per 256 values (Q
 dk, codes xq, and the sums of xq per 32 and per 16 for the mins and Q6_K's -32 offset), summed
 in integers per super-block, then acc += float(isum) * d * dk (and the mins' term); the 32-value
 kinds against x quantized per 32 (`qdot.quantize_x`: dx, xq, xsum), acc += float(isum) * d * dx
-+ offset * xsum per block. Integer sums are exact (16-bit lanes stay below 2^15: at most 8
++ offset * xsum per block. Q8_0's codes are signed: |w| against x with w's sign (`vpsignb`), each
+chunk's pair sums widened at once (`vpmaddwd` by ones; two 8-bit products fill a 16-bit lane). Integer sums are exact (16-bit lanes stay below 2^15: at most 8
 4-bit, 4 5-bit or 2 6-bit products of 2 per lane before `vpmaddwd`), so each output is
 W . x_hat up to the order of f32 adds, and that order is per output row and fixed: the same
 bits whatever R, the group, the batch or the thread count (batched decode equals one sequence).
@@ -53,6 +54,7 @@ from numba.extending import intrinsic
 from host_ops import common
 from host_ops import act_quant
 from host_ops import qblocks
+from host_ops import qdot
 from host_ops.common import HostOpError
 from host_ops.llvm_ir import (F32 as _F32, I8 as _I8, I16 as _I16, I32 as _I32, I64 as _I64,
                               add as _add, const as _const, half_to_float as _half_to_float,
@@ -640,7 +642,15 @@ def matmul(kind: str, packed: np.ndarray, x, out: np.ndarray | None = None) -> n
   if out is None:
     out = np.empty((x.shape[0], n), np.float32)
   common.ensure_host_threads()
-  xa = act_quant.activations(x, kind not in K_KINDS, kind in K_KINDS)
+  b = x.shape[0]
+  if kind not in K_KINDS and b <= STREAM_MAX_ROWS:
+    # Few rows (decode's LM head): x quantized serially, the same bits as `quantize_32`, so a
+    # call is one parallel region, not two. On a busy 2-core machine each region waits for a
+    # descheduled thread: Q8_0 [11008, 4096] at b = 1 ran 1.4 against the row kernel's 10.3.
+    xa = qdot.quantize_x(x) + (np.zeros((b, 1), np.int8), np.zeros((b, 1), np.float32),
+                               np.zeros((b, 1), np.int16), np.zeros((b, 1), np.int16))
+  else:
+    xa = act_quant.activations(x, kind not in K_KINDS, kind in K_KINDS)
   matmul_kernel(KIND_CODES[kind], packed, xa, out, 0)
   return out[0] if squeeze else out
 
@@ -649,7 +659,6 @@ def matmul(kind: str, packed: np.ndarray, x, out: np.ndarray | None = None) -> n
 def x_hat_reference(kind: str, x) -> np.ndarray:
   """f64[b, D]: the activations as the kernels of `kind` see them (dk * xq per 256 values for
   the K-quants, dx * xq per 32 else)."""
-  from host_ops import qdot
   x = np.asarray(x, np.float32)
   b, dim = x.shape
   if kind in K_KINDS:

@@ -204,3 +204,35 @@ def test_default_model_packed_head_equals_row_head(smollm2_path):
   assert (packed.argmax(-1) == row_logits.argmax(-1)).all()
   assert model.generate("The capital of France is", max_new_tokens=12,
                         temperature=0.0).token_ids == row_text
+
+
+# Byte offsets of each block's f16 scales (d, and m / dmin where the format has one).
+_F16_AT = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2),
+           "q5_k": (0, 2), "q6_k": (208,), "q8_0": (0,)}
+
+
+@needs_simd
+@pytest.mark.parametrize("kind", qpack.KINDS)
+def test_every_packed_kind_matches_reference(kind):
+  """Every packed kind (Q8_0 beside the others) on random blocks: the layout round-trips and
+  the product is x_hat @ W.T (K-quants: x per 256 values; else per 32) up to f32 order, for
+  streamed (b <= 8) and tiled (b > 8) row counts and a tail of groups past GEMM_TILE."""
+  rng = np.random.default_rng(len(kind) + qpack.KIND_CODES[kind])
+  values, nbytes = qpack.UNIT_VALUES[kind], qpack.FILE_BYTES[kind]
+  n, dim = qpack.G * (qpack.GEMM_TILE + 1), 3 * values
+  raw = rng.integers(0, 256, (n, dim // values, nbytes), dtype=np.uint8)
+  for at in _F16_AT[kind]:
+    scale = (rng.standard_normal((n, dim // values, 1)) * 0.01).astype(np.float16)
+    scale[scale == 0] = np.float16(0.01)
+    raw[:, :, at:at + 2] = scale.view(np.uint8)
+  raw = raw.reshape(n, -1)
+  ggml = gguf.GGMLQuantizationType[kind.upper()]
+  w = gguf.quants.dequantize(raw, ggml).reshape(n, dim).astype(np.float64)
+  packed = qpack.pack(kind, raw)
+  np.testing.assert_array_equal(qpack.unpack_reference(kind, packed), raw)
+  for b in (1, 5, 13):
+    x = rng.standard_normal((b, dim)).astype(np.float32)
+    got = qpack.matmul(kind, packed, x)
+    ref = qpack.matmul_reference(kind, w, x)
+    bound = 1e-5 * (np.abs(qpack.x_hat_reference(kind, x)) @ np.abs(w).T) + 1e-30
+    assert (np.abs(got - ref) <= bound).all(), (b, np.abs(got - ref).max())
