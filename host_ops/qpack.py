@@ -32,8 +32,9 @@ dk, codes xq, and the sums of xq per 32 and per 16 for the mins and Q6_K's -32 o
 in integers per super-block, then acc += float(isum) * d * dk (and the mins' term); the 32-value
 kinds against x quantized per 32 (`qdot.quantize_x`: dx, xq, xsum), acc += float(isum) * d * dx
 + offset * xsum per block. Q8_0's codes are signed: |w| against x with w's sign (`vpsignb`), each
-chunk's pair sums widened at once (`vpmaddwd` by ones; two 8-bit products fill a 16-bit lane). Integer sums are exact (16-bit lanes stay below 2^15: at most 8
-4-bit, 4 5-bit or 2 6-bit products of 2 per lane before `vpmaddwd`), so each output is
+chunk's pair sums widened at once (`vpmaddwd` by ones; two 8-bit products fill a 16-bit lane).
+Integer sums are exact (16-bit lanes stay below 2^15: at most 8 4-bit, 4 5-bit or 2 6-bit
+products of 2 per lane before `vpmaddwd`), so each output is
 W . x_hat up to the order of f32 adds, and that order is per output row and fixed: the same
 bits whatever R, the group, the batch or the thread count (batched decode equals one sequence).
 
