@@ -11,6 +11,7 @@ import numpy as np
 
 from host_ops import common
 from host_ops import gated_ffn
+from host_ops import pool as pool_lib
 from host_ops import predicted_ffn
 from host_ops import qmatmul
 from host_ops import qpack
@@ -69,12 +70,18 @@ def decoder_reference(dec, tokens, trace: dict | None = None) -> np.ndarray:
         outs.append(np.asarray(x, np.float64) @ w.T)
     return np.concatenate(outs, axis=-1)
 
+  def plain(w):  # A packed head / embedding as a QMatrix.
+    return w.qmatrix() if isinstance(w, pool_lib.PackedMatrix) else w
+
   def head(x):
+    if int8 and isinstance(dec.lm_head, pool_lib.PackedMatrix):
+      w = qmatmul.dequantize_reference(dec.lm_head.qmatrix())
+      return qpack.x_hat_reference(dec.lm_head.kind, x) @ w.T
     if int8:
       return qmatmul.matmul_int8_reference(dec.lm_head, x.astype(np.float32)).astype(np.float64)
-    return x @ qmatmul.dequantize_reference(dec.lm_head).T
+    return x @ qmatmul.dequantize_reference(plain(dec.lm_head)).T
 
-  x = qmatmul.dequantize_reference(dec.embedding)[tokens] * dec.embedding_scale
+  x = qmatmul.dequantize_reference(plain(dec.embedding))[tokens] * dec.embedding_scale
   for li, layer in enumerate(dec.layers):
     qkv = mm(layer.qkv, norm(x, layer.attn_norm))
     if layer.qkv_bias is not None:

@@ -16,8 +16,12 @@ GEMV_MAX_ROWS activation rows, else 16 rows dequantized once and dotted with eve
 row in an order fixed by the kernel, so results do not depend on the other rows of a batch (int8
 at any batch; f32 up to GEMV_MAX_ROWS rows, where the product changes kernel).
 
+The LM head (and a Q8_0 token embedding tied to it) is packed apart, as one `PackedMatrix`
+(issue 30: the head is 30 of SmolLM2's 96 MB and 180 of Gemma 3 270M's 250 MB, and every logit
+of a perplexity pass goes through it).
+
 Layout per STYLE.md: numba drivers -> WeightPool (builds, validates) -> PooledMatrix (the file's
-blocks back, for references and the sparse FFN's own copies).
+blocks back, for references and the sparse FFN's own copies) -> PackedMatrix (the head).
 """
 
 from __future__ import annotations
@@ -116,27 +120,28 @@ def pool_matmul(pool, mats, ids, xa, x, xsum, out, int8):
 
 
 # ----------------------------------------------------------------------------- the pool
-def file_rows(w) -> np.ndarray:
-  """A QMatrix's (or PooledMatrix's) rows in the file's block layout: u8[n, row bytes] (a view
-  for the raw kinds; Q4_1 / Q8_0 interleaved back from their codes and scales)."""
+def file_rows(w, lo: int = 0, hi: int | None = None) -> np.ndarray:
+  """Rows [lo, hi) of a QMatrix (or PooledMatrix, all rows) in the file's block layout: u8[hi -
+  lo, row bytes] (a view for the raw kinds; Q4_1 / Q8_0 interleaved back from their codes and
+  scales)."""
   if isinstance(w, PooledMatrix):
     return w.file_rows()
-  n, dim = w.shape
-  nb = dim // qmatmul.BLOCK
+  hi = w.shape[0] if hi is None else hi
+  n, nb = hi - lo, w.shape[1] // qmatmul.BLOCK
   if w.kind == qmatmul.Q4_1:
-    qs, d, m = w.arrays
+    qs, d, m = (a[lo:hi] for a in w.arrays)
     out = np.empty((n, nb, 20), np.uint8)
     out[:, :, 0:2] = d.view(np.uint8).reshape(n, nb, 2)
     out[:, :, 2:4] = m.view(np.uint8).reshape(n, nb, 2)
     out[:, :, 4:] = qs.reshape(n, nb, 16)
     return out.reshape(n, nb * 20)
   if w.kind == qmatmul.Q8_0:
-    q, d = w.arrays
+    q, d = (a[lo:hi] for a in w.arrays)
     out = np.empty((n, nb, 34), np.uint8)
     out[:, :, 0:2] = d.view(np.uint8).reshape(n, nb, 2)
     out[:, :, 2:] = q.view(np.uint8).reshape(n, nb, 32)
     return out.reshape(n, nb * 34)
-  return w.arrays[0]
+  return w.arrays[0][lo:hi]
 
 
 class PooledMatrix:
@@ -292,3 +297,108 @@ class WeightPool:
   @property
   def nbytes(self) -> int:
     return int(self.pool.nbytes)
+
+
+# ----------------------------------------------------------------------------- the LM head
+_PACK_CHUNK_BYTES = 16 << 20  # File bytes packed per step (a step's source pages may then go).
+
+
+def head_packable(kind: str, shape: tuple[int, int], tied: bool) -> bool:
+  """Whether an LM head of `kind` and shape (n, D) runs packed with int8 products: a kind qpack
+  packs, n a multiple of G; a head tied to the token embedding only as Q8_0 (the one kind whose
+  rows `PackedMatrix.rows_f32` reads back)."""
+  return qpack.packable(kind, shape) and (not tied or kind == qmatmul.Q8_0)
+
+
+class PackedMatrix:
+  """A whole [n, D] matrix in `qpack`'s packed layout, for the LM head (and the token embedding
+  tied to it): QMatrix's API where the decoder uses them (kind, shape, nbytes, file_bytes,
+  all_finite, matmul with int8 products, rows_f32 for Q8_0, dequantize, qmatrix).
+
+  Attributes:
+    kind: a kind of `qpack.KINDS`; shape: (n, D); packed: u8[n / G, units * UNIT_BYTES[kind]].
+  """
+
+  def __init__(self, kind: str, shape: tuple[int, int], packed: np.ndarray):
+    want = (shape[0] // qpack.G, shape[1] // qpack.UNIT_VALUES[kind] * qpack.UNIT_BYTES[kind])
+    if not qpack.packable(kind, shape) or packed.shape != want or packed.dtype != np.uint8:
+      raise HostOpError(f"PackedMatrix({kind}, {shape}): packed must be u8{list(want)}, got "
+                        f"{packed.dtype}{list(packed.shape)}")
+    self.kind, self.shape, self.packed = kind, (int(shape[0]), int(shape[1])), packed
+
+  @classmethod
+  def from_rows(cls, kind: str, rows, shape: tuple[int, int], copied=None) -> "PackedMatrix":
+    """Packs a matrix in row chunks of ~16 MB of file bytes: rows(lo, hi) -> u8[hi - lo, row
+    bytes] the file's blocks (a view of the memory map, or a copy from a QMatrix); copied(lo,
+    hi), if given, is called after each chunk (its source pages may go), so the peak is the
+    packed copy plus one chunk."""
+    n, dim = shape
+    row_bytes = dim // qpack.UNIT_VALUES[kind] * qpack.FILE_BYTES[kind]
+    out = common.empty_aligned((n // qpack.G, dim // qpack.UNIT_VALUES[kind] *
+                                qpack.UNIT_BYTES[kind]), np.uint8)
+    step = max(1, _PACK_CHUNK_BYTES // (row_bytes * qpack.G)) * qpack.G
+    for lo in range(0, n, step):
+      hi = min(n, lo + step)
+      qpack.pack(kind, rows(lo, hi), out[lo // qpack.G:hi // qpack.G])
+      if copied is not None:
+        copied(lo, hi)
+    return cls(kind, shape, out)
+
+  @classmethod
+  def from_qmatrix(cls, w: qmatmul.QMatrix) -> "PackedMatrix":
+    """Packs a QMatrix (a raw kind's memory-map view then gives its pages back:
+    `release_source`)."""
+    release = getattr(w, "release_source", None)
+    m = cls.from_rows(w.kind, lambda lo, hi: file_rows(w, lo, hi), w.shape)
+    if release is not None:
+      release()
+    return m
+
+  @property
+  def nbytes(self) -> int:
+    return int(self.packed.nbytes)
+
+  def file_bytes(self) -> int:
+    values, nbytes = qblocks.GEOMETRY[self.kind]
+    return self.shape[0] * (self.shape[1] // values) * nbytes
+
+  def all_finite(self) -> bool:
+    """Whether no f16 scale (d, and m / dmin where the kind has one) is NaN or inf."""
+    units = self.packed.reshape(self.packed.shape[0], -1, qpack.UNIT_BYTES[self.kind])
+    halves = 32 if self.kind in ("q4_0", "q5_0", "q6_k", "q8_0") else 64
+    return bool(np.isfinite(units[:, :, :halves].copy().view(np.float16)).all())
+
+  def matmul(self, x, out: np.ndarray | None = None, dot: str = qmatmul.DOT_INT8) -> np.ndarray:
+    """x_hat @ W.T: x f32[b, D] -> f32[b, n] (f32[D] -> f32[n]); `qpack.matmul`.
+
+    Raises:
+      HostOpError: dot "f32" (a packed matrix has integer products only: `qmatrix()` first),
+        x of the wrong shape.
+    """
+    if dot != qmatmul.DOT_INT8:
+      raise HostOpError(f"a packed {self.kind} matrix multiplies with dot='int8' only, got "
+                        f"{dot!r}; use .qmatrix() for f32 products")
+    return qpack.matmul(self.kind, self.packed, x, out)
+
+  def rows_f32(self, ids) -> np.ndarray:
+    """Rows `ids` (int[k]) dequantized: f32[k, D] (Q8_0 only: the token embedding)."""
+    if self.kind != qmatmul.Q8_0:
+      raise HostOpError(f"rows_f32 of a packed {self.kind} matrix: only q8_0 rows are read back")
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+      raise HostOpError(f"row id out of range [0, {self.shape[0]}): {ids.min()}..{ids.max()}")
+    out = np.empty((ids.size, self.shape[1]), np.float32)
+    common.ensure_host_threads()
+    qpack.rows_q8_0_kernel(self.packed, ids, out)
+    return out
+
+  def qmatrix(self) -> qmatmul.QMatrix:
+    """A QMatrix of the same values (unpacked: a copy)."""
+    return qmatmul.from_gguf_blocks(self.kind, qpack.unpack_reference(self.kind, self.packed),
+                                    self.shape)
+
+  def dequantize(self) -> np.ndarray:
+    return self.qmatrix().dequantize()
+
+  def __repr__(self) -> str:
+    return f"PackedMatrix({self.kind}, {self.shape[0]}x{self.shape[1]}, {self.nbytes / 1e6:.2f} MB)"

@@ -29,7 +29,8 @@ over output rows); for larger b each weight row is dequantized once into an f32 
 with every row of x, so the 4-bit decode is paid once per row, not once per token. With
 dot="int8" every b takes the integer row dots (each output its own row's dot: the same bits
 whatever the batch). The host decoder's layers use `host_ops.pool` (packed integer kernels,
-`host_ops.qpack`); QMatrix serves the embedding, the LM head and the sparse FFN's copies.
+`host_ops.qpack`), and so does its LM head with int8 products where it packs
+(`pool.PackedMatrix`); QMatrix serves the other embeddings and heads and the sparse FFN's copies.
 
 The flat loop is the fastest float shape measured (a loop nest over blocks was slower,
 BUILD_NOTES.md). With dot="int8" the gemv quantizes x per block and uses the SIMD integer

@@ -23,6 +23,7 @@ Exactly the file's bits (nothing rounded again); `unpack_reference` inverts it.
   Q6_K 3360 B: d f16[16], sc i8[16][16], ql [2 h][2 s][8 q][16][4], qh [2 h][8 q][16][4]
   Q4_0 288 B: d f16[16], qs [4 q][16][4]       Q4_1 320 B: d, m f16[16], qs
   Q5_0 352 B: d, qh u8[4 q][16], qs            Q5_1 384 B: d, m, qh, qs
+  Q8_0 544 B: d f16[16], qs [8 q][16][4] (signed codes, byte 4q + e of the row = value 4q + e)
 (qh of the 32-value kinds: per chunk q one byte per row, bits 0-3 the 5th bits of values 4q..4q+3,
 bits 4-7 of values 16 + 4q ...; the codes' low nibbles are values 0-15, high nibbles 16-31.)
 
@@ -30,8 +31,10 @@ Arithmetic: llama.cpp's pairings. K-quants against x quantized per 256 values (Q
 dk, codes xq, and the sums of xq per 32 and per 16 for the mins and Q6_K's -32 offset), summed
 in integers per super-block, then acc += float(isum) * d * dk (and the mins' term); the 32-value
 kinds against x quantized per 32 (`qdot.quantize_x`: dx, xq, xsum), acc += float(isum) * d * dx
-+ offset * xsum per block. Integer sums are exact (16-bit lanes stay below 2^15: at most 8
-4-bit, 4 5-bit or 2 6-bit products of 2 per lane before `vpmaddwd`), so each output is
++ offset * xsum per block. Q8_0's codes are signed: |w| against x with w's sign (`vpsignb`), each
+chunk's pair sums widened at once (`vpmaddwd` by ones; two 8-bit products fill a 16-bit lane).
+Integer sums are exact (16-bit lanes stay below 2^15: at most 8 4-bit, 4 5-bit or 2 6-bit
+products of 2 per lane before `vpmaddwd`), so each output is
 W . x_hat up to the order of f32 adds, and that order is per output row and fixed: the same
 bits whatever R, the group, the batch or the thread count (batched decode equals one sequence).
 
@@ -51,25 +54,28 @@ from numba.extending import intrinsic
 
 from host_ops import common
 from host_ops import act_quant
+from host_ops import qblocks
+from host_ops import qdot
 from host_ops.common import HostOpError
 from host_ops.llvm_ir import (F32 as _F32, I8 as _I8, I16 as _I16, I32 as _I32, I64 as _I64,
                               add as _add, const as _const, half_to_float as _half_to_float,
                               load as _load, splat as _splat, vec as _vec, x86 as _x86)
 
 G = 16  # Rows interleaved per group.
-Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = range(7)
+Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q8_0 = range(8)
 KIND_CODES = {"q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q5_1": Q5_1, "q4_k": Q4_K,
-              "q5_k": Q5_K, "q6_k": Q6_K}
+              "q5_k": Q5_K, "q6_k": Q6_K, "q8_0": Q8_0}
 KINDS = tuple(KIND_CODES)
 K_KINDS = ("q4_k", "q5_k", "q6_k")
 # Values per unit, bytes of one row's unit in the file, bytes of a packed unit of G rows.
 UNIT_VALUES = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q4_k": 256, "q5_k": 256,
-               "q6_k": 256}
+               "q6_k": 256, "q8_0": 32}
 FILE_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q4_k": 144, "q5_k": 176,
-              "q6_k": 210}
+              "q6_k": 210, "q8_0": 34}
 UNIT_BYTES = {"q4_0": 288, "q4_1": 320, "q5_0": 352, "q5_1": 384, "q4_k": 2368,
-              "q5_k": 2880, "q6_k": 3360}
+              "q5_k": 2880, "q6_k": 3360, "q8_0": 544}
 MAX_R = 4  # Activation rows per kernel call.
+_Q8_0_UNIT = UNIT_BYTES["q8_0"]
 
 
 def packable(kind: str, shape: tuple[int, int]) -> bool:
@@ -133,6 +139,10 @@ def _pack_kernel(code, raw, out, ub):
                      s + 64 * h + 32 * half + 4 * q, 4)
             for q in range(8):
               _put(dst, o + 2336 + 512 * h + 64 * q + 4 * k, src, s + 128 + 32 * h + 4 * q, 4)
+        elif code == Q8_0:
+          _put(dst, o + 2 * k, src, s, 2)
+          for q in range(8):
+            _put(dst, o + 32 + 64 * q + 4 * k, src, s + 2 + 4 * q, 4)
         else:  # The 32-value kinds: d [m] [qh] qs.
           _put(dst, o + 2 * k, src, s, 2)
           at = 32
@@ -174,6 +184,24 @@ def pack(kind: str, raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
   common.ensure_host_threads()
   _pack_kernel(KIND_CODES[kind], raw, out, UNIT_BYTES[kind])
   return out
+
+
+@numba.njit(parallel=True, **common.JIT)
+def rows_q8_0_kernel(packed, ids, out):
+  """out[j] = row ids[j] of a packed Q8_0 matrix as f32 (d * q, exact): packed u8[n / G,
+  units * 544], ids i64[k] (in range), out f32[k, units * 32]. The token embedding's lookup
+  when a tied LM head is packed."""
+  ub = _Q8_0_UNIT
+  units = packed.shape[1] // ub
+  for j in numba.prange(ids.shape[0]):
+    grp = packed[ids[j] // G]
+    k = ids[j] % G
+    for u in range(units):
+      o = u * ub
+      d = qblocks.f16_to_f32(np.int64(grp[o + 2 * k]) | (np.int64(grp[o + 2 * k + 1]) << 8))
+      for e in range(32):
+        q = np.int8(grp[o + 32 + 64 * (e // 4) + 4 * k + e % 4])
+        out[j, 32 * u + e] = d * np.float32(q)
 
 
 # ----------------------------------------------------------------------------- IR
@@ -455,8 +483,55 @@ def _b32_codegen(kind, R, prefetch):
   return codegen
 
 
+def _q8_codegen(kind, R, prefetch):
+  """IR of Q8_0 against per-32 activations (args as `_b32_codegen`). Signed codes: vpmaddubsw
+  takes |w| (unsigned) against x with w's sign (vpsignb), and each chunk's 16-bit pair sums
+  (up to 2 x 128 x 127) go straight through `vpmaddwd` by ones: 16 multiplies per 256 MACs."""
+  del kind
+  ub = UNIT_BYTES["q8_0"]
+  W = G // 8
+
+  def codegen(context, builder, sig, args):
+    bd = builder
+    cx = _Ctx(context, bd, sig, args, R, False)
+    p, units, acc_f = cx.p, cx.units, cx.acc_f
+    ones = ir.Constant(_vec(_I16, 16), [1] * 16)
+    zero = ir.Constant(_vec(_I8, 32), [0] * 32)
+    psign = _x86(bd, "llvm.x86.avx2.psign.b", _vec(_I8, 32), [_vec(_I8, 32)] * 2)
+    with cgutils.for_range(bd, units) as loop:
+      u = loop.index
+      o = bd.mul(u, _const(_I64, ub))
+      if prefetch:
+        _prefetch_spread(bd, p, o, -(-ub // 64) * 64, PREFETCH_UNITS * ub)
+      xo = bd.mul(u, _const(_I64, 32))
+      isum = [[None] * W for _ in range(R)]
+      for q in range(8):
+        codes = []
+        for w in range(W):
+          v = _load(bd, p, _add(bd, o, 32 + 64 * q + 32 * w), _vec(_I8, 32))
+          codes.append((bd.select(bd.icmp_signed("<", v, zero), bd.neg(v), v), v))
+        for k in range(R):
+          xb = _bcast4(bd, cx.x[k], _add(bd, xo, 4 * q))
+          for w in range(W):
+            mag, sgn = codes[w]
+            part = cx.wd(cx.madd(mag, bd.call(psign, [xb, sgn])), ones)
+            isum[k][w] = part if isum[k][w] is None else bd.add(isum[k][w], part)
+      for w in range(W):
+        d8 = _half_to_float(bd, _load(bd, p, _add(bd, o, 16 * w), _vec(_I16, 8)))
+        for k in range(R):
+          dx = _splat(bd, bd.load(bd.gep(cx.s1[k], [u])), 8)
+          acc = bd.load(acc_f[k][w])
+          acc = common.fma(bd, bd.sitofp(isum[k][w], _vec(_F32, 8)), common.fmul(bd, d8, dx),
+                            acc)
+          bd.store(acc, acc_f[k][w])
+    _store_rows(bd, cx, acc_f, R, W)
+    return context.get_dummy_value()
+
+  return codegen
+
+
 def _make(kind, R, prefetch):
-  gen = _k_codegen if kind in K_KINDS else _b32_codegen
+  gen = _k_codegen if kind in K_KINDS else (_q8_codegen if kind == "q8_0" else _b32_codegen)
 
   def impl(typingctx, grp, xq8, dx, xsum, xqk, dk, bs32, bs16, out, r0, col):
     sig = types.void(grp, xq8, dx, xsum, xqk, dk, bs32, bs16, out, r0, col)
@@ -475,6 +550,7 @@ _q5_1_1, _q5_1_2, _q5_1_3, _q5_1_4 = (_make("q5_1", r, True) for r in range(1, 5
 _q4_k_1, _q4_k_2, _q4_k_3, _q4_k_4 = (_make("q4_k", r, True) for r in range(1, 5))
 _q5_k_1, _q5_k_2, _q5_k_3, _q5_k_4 = (_make("q5_k", r, True) for r in range(1, 5))
 _q6_k_1, _q6_k_2, _q6_k_3, _q6_k_4 = (_make("q6_k", r, True) for r in range(1, 5))
+_q8_0_1, _q8_0_2, _q8_0_3, _q8_0_4 = (_make("q8_0", r, True) for r in range(1, 5))
 
 
 # Groups per parallel tile when many activation rows are multiplied: a tile's weights (8 groups
@@ -523,6 +599,7 @@ _matmul_q5_1 = _driver(_q5_1_1, _q5_1_2, _q5_1_3, _q5_1_4)
 _matmul_q4_k = _driver(_q4_k_1, _q4_k_2, _q4_k_3, _q4_k_4)
 _matmul_q5_k = _driver(_q5_k_1, _q5_k_2, _q5_k_3, _q5_k_4)
 _matmul_q6_k = _driver(_q6_k_1, _q6_k_2, _q6_k_3, _q6_k_4)
+_matmul_q8_0 = _driver(_q8_0_1, _q8_0_2, _q8_0_3, _q8_0_4)
 
 
 @numba.njit(**common.JIT)
@@ -543,6 +620,8 @@ def matmul_kernel(code, packed, xa, out, col0):
     _matmul_q4_1(packed, xa, out, col0)
   elif code == Q5_0:
     _matmul_q5_0(packed, xa, out, col0)
+  elif code == Q8_0:
+    _matmul_q8_0(packed, xa, out, col0)
   else:
     _matmul_q5_1(packed, xa, out, col0)
 
@@ -564,7 +643,15 @@ def matmul(kind: str, packed: np.ndarray, x, out: np.ndarray | None = None) -> n
   if out is None:
     out = np.empty((x.shape[0], n), np.float32)
   common.ensure_host_threads()
-  xa = act_quant.activations(x, kind not in K_KINDS, kind in K_KINDS)
+  b = x.shape[0]
+  if kind not in K_KINDS and b <= STREAM_MAX_ROWS:
+    # Few rows (decode's LM head): x quantized serially, the same bits as `quantize_32`, so a
+    # call is one parallel region, not two. On a busy 2-core machine each region waits for a
+    # descheduled thread: Q8_0 [11008, 4096] at b = 1 ran 1.4 against the row kernel's 10.3.
+    xa = qdot.quantize_x(x) + (np.zeros((b, 1), np.int8), np.zeros((b, 1), np.float32),
+                               np.zeros((b, 1), np.int16), np.zeros((b, 1), np.int16))
+  else:
+    xa = act_quant.activations(x, kind not in K_KINDS, kind in K_KINDS)
   matmul_kernel(KIND_CODES[kind], packed, xa, out, 0)
   return out[0] if squeeze else out
 
@@ -573,7 +660,6 @@ def matmul(kind: str, packed: np.ndarray, x, out: np.ndarray | None = None) -> n
 def x_hat_reference(kind: str, x) -> np.ndarray:
   """f64[b, D]: the activations as the kernels of `kind` see them (dk * xq per 256 values for
   the K-quants, dx * xq per 32 else)."""
-  from host_ops import qdot
   x = np.asarray(x, np.float32)
   b, dim = x.shape
   if kind in K_KINDS:
@@ -626,6 +712,9 @@ def unpack_reference(kind: str, packed: np.ndarray) -> np.ndarray:
     out[..., 192:208] = np.moveaxis(pk[:, :, 32:288].reshape(ng, units, 16, G), 3, 1)
     out[..., 0:128] = plane(288, 2, 2, 8).reshape(ng, G, units, 128)
     out[..., 128:192] = plane(2336, 2, 8).reshape(ng, G, units, 64)
+  elif kind == "q8_0":
+    out[..., 0:2] = per_row(0, 2)
+    out[..., 2:34] = plane(32, 8).reshape(ng, G, units, 32)
   else:
     out[..., 0:2] = per_row(0, 2)
     at, head = 32, {"q4_0": 2, "q4_1": 4, "q5_0": 6, "q5_1": 8}[kind]

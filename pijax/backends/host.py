@@ -31,6 +31,7 @@ import numpy as np
 import host_ops
 from host_ops import decoder as decoder_lib
 from host_ops import gated_ffn
+from host_ops import pool as pool_lib
 from host_ops import predicted_ffn
 from host_ops import qconcat
 from host_ops import qmatmul
@@ -63,10 +64,13 @@ def _tensor_kind(tensor: Any) -> str | None:
 
 
 def _read_matrix(reader, tensors: dict[str, Any], plan: dict, path: str, weights: str,
-                 requantized: dict[str, int], role: str, layer: int | None) -> qmatmul.QMatrix:
+                 requantized: dict[str, int], role: str, layer: int | None,
+                 packed_head: bool | None = None):
   """One role's matrix of a GGUF (`loader.weight_plan`'s `plan`), kept in its blocks when
   allowed (`weights` "gguf", or a Q8_0 tensor), else re-quantized to Q8_0 (counted by GGML
-  type in `requantized` under "gguf").
+  type in `requantized` under "gguf"). packed_head (the head's tied flag, None: not the head
+  or f32 products): a Q8_0 head `pool.head_packable` accepts is packed straight from the map
+  (`pool.PackedMatrix`, chunk by chunk: no split copy beside the packed one).
 
   Raises:
     GGUFError: a missing tensor, or NaN / inf scales.
@@ -86,7 +90,12 @@ def _read_matrix(reader, tensors: dict[str, Any], plan: dict, path: str, weights
     def copied(lo: int, hi: int) -> None:  # Rows copied out of the map: their pages may go.
       reader.release_pages(t.data_offset + (first + lo) * row_bytes, (hi - lo) * row_bytes)
 
-    m = qmatmul.from_gguf_blocks(kind, data, shape, copied=copied)
+    if packed_head is not None and kind == qmatmul.Q8_0 and \
+        pool_lib.head_packable(kind, shape, packed_head):
+      blocks = np.ascontiguousarray(data).reshape(-1).view(np.uint8).reshape(shape[0], -1)
+      m = pool_lib.PackedMatrix.from_rows(kind, lambda lo, hi: blocks[lo:hi], shape, copied)
+    else:
+      m = qmatmul.from_gguf_blocks(kind, data, shape, copied=copied)
     if not m.all_finite():  # The f16 scales (codes are integers), checked in place.
       raise GGUFError(f"{path}: tensor {t.name!r} holds NaN or inf values; the file is "
                       "corrupt (re-download or re-convert it).")
@@ -146,12 +155,15 @@ def build_decoder(path: str | os.PathLike[str], config: ModelConfig, weights: st
   tensors = {t.name: t for t in reader.tensors}
   plan = {(role, i): (where, shape) for role, i, where, shape in loader.weight_plan(config, path)}
   requantized: dict[str, int] = {}  # GGML type -> tensors re-quantized to Q8_0.
+  head_role = "embedding" if config.tied_output else "lm_head"
 
   def f32(role: str, layer: int | None = None) -> np.ndarray:
     return loader.read_weight(tensors, *plan[role, layer], path)
 
   def one(role: str, layer: int | None) -> qmatmul.QMatrix:
-    return _read_matrix(reader, tensors, plan, path, weights, requantized, role, layer)
+    pack = (role == head_role and dot == qmatmul.DOT_INT8)  # `_read_matrix` checks the rest.
+    return _read_matrix(reader, tensors, plan, path, weights, requantized, role, layer,
+                        packed_head=config.tied_output if pack else None)
 
   def matrix(roles: list[str], layer: int | None = None):
     """The roles' matrices stacked by rows (one QMatrix when they share a format)."""
