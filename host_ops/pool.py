@@ -11,7 +11,8 @@ kept (the copy is the only one in memory; `PooledMatrix` gives the file's blocks
 
 Products (`pool_matmul`): packed -> `qpack.matmul_kernel` (int8); rows with int8 products ->
 `qblocks.row_dot_int8` (activations per 32 values); f32 products -> `qblocks.row_dot` for up to
-GEMV_MAX_ROWS activation rows, else 16 rows dequantized once and dotted with every row
+GEMV_MAX_ROWS activation rows, else F16 / BF16 rows through `fgemm` (register-blocked, on
+AVX-512 CPUs) and the other kinds 16 rows dequantized once and dotted with every row
 (`qmatmul_kernels.tile_dots`). Each output element is one weight row's dot with one activation
 row in an order fixed by the kernel, so results do not depend on the other rows of a batch (int8
 at any batch; f32 up to GEMV_MAX_ROWS rows, where the product changes kernel).
@@ -30,6 +31,7 @@ import numba
 import numpy as np
 
 from host_ops import common
+from host_ops import fgemm
 from host_ops import qblocks
 from host_ops import qmatmul
 from host_ops import qmatmul_kernels
@@ -114,6 +116,9 @@ def pool_matmul(pool, mats, ids, xa, x, xsum, out, int8):
         _rows_int8(kind, raw, xa[0], xa[1], xa[2], out, col)
       elif x.shape[0] <= GEMV_MAX_ROWS:
         _rows_f32(kind, raw, x, xsum, out, col)
+      elif (kind == qblocks.F16 or kind == qblocks.BF16) and fgemm.FAST and \
+          x.shape[1] % fgemm.LANES == 0:
+        fgemm.gemm_kernel(kind, raw, x, out, col)
       else:
         _tiles_f32(kind, raw, x, out, col)
     col += n

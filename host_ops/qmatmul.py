@@ -49,6 +49,7 @@ from collections.abc import Callable
 import numpy as np
 
 from host_ops import common
+from host_ops import fgemm
 from host_ops import qblocks
 from host_ops import qdot
 from host_ops import qmatmul_kernels as kernels
@@ -249,6 +250,9 @@ class QMatrix:
       code = qblocks.KIND_CODES[self.kind]
       if int8 and self.kind in qblocks.INT8_KINDS:  # Any number of rows: each row's own dot.
         kernels.gemv_raw_int8_kernel(code, self.arrays[0], x2, out, _PREFETCH_BYTES[self.kind][1])
+      elif b > GEMV_MAX_ROWS and self.kind in (F16, BF16) and fgemm.FAST and \
+          fgemm.supported(self.shape[1]):
+        fgemm.gemm_kernel(code, self.arrays[0], x2, out, 0)
       elif b > GEMV_MAX_ROWS:
         kernels.gemm_raw_kernel(code, self.arrays[0], x2, out)
       else:
