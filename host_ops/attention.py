@@ -232,6 +232,77 @@ def _softmax_row(typingctx, sc, r, lo, hi, scale):
   return types.void(sc, r, lo, hi, scale), _softmax_codegen()
 
 
+def _transpose_masks():
+  """Shuffle masks of a 16 x 16 transpose in 4 stages: stage k swaps bit k of the row and the
+  column index, each new row a two-source shuffle of rows r & ~2^k and r | 2^k."""
+  stages = []
+  for k in range(4):
+    bit = 1 << k
+    rows = []
+    for r in range(16):
+      lo, hi = r & ~bit, r | bit
+      mask = []
+      for c in range(16):
+        src = hi if c & bit else lo
+        col = (c | bit) if r & bit else (c & ~bit)
+        mask.append((16 if src == hi else 0) + col)
+      rows.append((lo, hi, mask))
+    stages.append(rows)
+  return stages
+
+
+_TRANSPOSE = _transpose_masks()
+
+
+def _transpose_codegen():
+  """IR of kt[16 b + j, u] = k[t0 + u, kv, 16 b + j] for u < cnt (0 for cnt <= u < 16), b <
+  H / 16: 16 keys' rows transposed in registers, 16 x 16 at a time (4 stages of 16 two-source
+  shuffles). Args: k f32[S, K, H] (one slot's keys, H a multiple of 16), kv, t0, cnt (i64), kt
+  f32[H, 16]."""
+
+  def codegen(context, bd, sig, args):
+    k = context.make_array(sig.args[0])(context, bd, args[0])
+    kt = context.make_array(sig.args[4])(context, bd, args[4])
+    kv, t0, cnt = args[1], args[2], args[3]
+    n_kv = bd.extract_value(k.shape, 1)
+    hd = bd.extract_value(k.shape, 2)
+    stride = bd.mul(n_kv, hd)
+    base = bd.gep(k.data, [bd.add(bd.mul(t0, stride), bd.mul(kv, hd))])
+    zero = ir.Constant(_V16, [0.0] * 16)
+    i32 = ir.IntType(32)
+    with cgutils.for_range(bd, bd.udiv(hd, _const(_I64, 16))) as loop:
+      col = bd.mul(loop.index, _const(_I64, 16))
+      rows = []
+      for u in range(16):
+        ptr = bd.bitcast(bd.gep(base, [bd.add(bd.mul(_const(_I64, u), stride), col)]),
+                         _V16.as_pointer())
+        # A key past cnt is not read (it may lie past the cache's end): zeros instead.
+        with bd.if_else(bd.icmp_signed("<", _const(_I64, u), cnt)) as (then, other):
+          with then:
+            blk_a = bd.block
+            va = bd.load(ptr, align=4)
+          with other:
+            blk_b = bd.block
+        phi = bd.phi(_V16)
+        phi.add_incoming(va, blk_a)
+        phi.add_incoming(zero, blk_b)
+        rows.append(phi)
+      for stage in _TRANSPOSE:
+        rows = [bd.shuffle_vector(rows[lo], rows[hi], _const(i32, mask)) for lo, hi, mask in stage]
+      out = bd.gep(kt.data, [bd.mul(col, _const(_I64, 16))])
+      for j in range(16):
+        bd.store(rows[j], bd.bitcast(bd.gep(out, [_const(_I64, 16 * j)]), _V16.as_pointer()),
+                 align=4)
+    return context.get_dummy_value()
+
+  return codegen
+
+
+@intrinsic
+def _transpose_keys(typingctx, k, kv, t0, cnt, kt):
+  return types.void(k, kv, t0, cnt, kt), _transpose_codegen()
+
+
 def _make_scores(R):
   def impl(typingctx, q, kt, sc, r0, col):
     return types.void(q, kt, sc, r0, col), _scores_codegen(R)
@@ -370,13 +441,16 @@ def attention(qkv, cache_k, cache_v, slots, positions, cos, sin, adjacent, n_hea
     for tile in range(ntiles):
       t0 = kmin + tile * KEY_TILE
       cnt = min(KEY_TILE, kmax + 1 - t0)
-      for u in range(cnt):
-        krow = cache_k[s, t0 + u, kv]
-        for j in range(hd):
-          kt[j, u] = krow[j]
-      for u in range(cnt, KEY_TILE):
-        for j in range(hd):
-          kt[j, u] = 0.0
+      if hd % 16 == 0:
+        _transpose_keys(cache_k[s], kv, t0, cnt, kt)
+      else:
+        for u in range(cnt):
+          krow = cache_k[s, t0 + u, kv]
+          for j in range(hd):
+            kt[j, u] = krow[j]
+        for u in range(cnt, KEY_TILE):
+          for j in range(hd):
+            kt[j, u] = 0.0
       r = 0
       while r < rows:
         R = min(MAX_SCORE_ROWS, rows - r)
