@@ -19,7 +19,7 @@ from numba.extending import intrinsic
 
 from host_ops import common
 from host_ops.llvm_ir import F32 as _F32, I64 as _I64, const as _const, splat as _splat, \
-    vec as _vec
+    switch_codegen, vec as _vec
 
 
 @numba.njit(**common.JIT)
@@ -303,64 +303,20 @@ def _transpose_keys(typingctx, k, kv, t0, cnt, kt):
   return types.void(k, kv, t0, cnt, kt), _transpose_codegen()
 
 
-def _make_scores(R):
-  def impl(typingctx, q, kt, sc, r0, col):
-    return types.void(q, kt, sc, r0, col), _scores_codegen(R)
-  impl.__name__ = f"_scores_r{R}"
-  return intrinsic(impl)
+@intrinsic
+def _scores(typingctx, q, kt, sc, r0, col, rows):
+  """Scores of `rows` (1..MAX_SCORE_ROWS) query rows from r0 (see `_scores_codegen`)."""
+  variants = {r: _scores_codegen(r) for r in range(1, MAX_SCORE_ROWS + 1)}
+  return types.void(q, kt, sc, r0, col, rows), switch_codegen(variants)
 
 
-def _make_pv(R, C):
-  def impl(typingctx, p, v, kv, o, r0, c0, t0, t1, pcol):
-    return types.void(p, v, kv, o, r0, c0, t0, t1, pcol), _pv_codegen(R, C)
-  impl.__name__ = f"_pv_r{R}_c{C}"
-  return intrinsic(impl)
-
-
-_sc1, _sc2, _sc3, _sc4, _sc5, _sc6, _sc7, _sc8 = (_make_scores(r) for r in range(1, 9))
-_pv1_4, _pv2_4, _pv3_4, _pv4_4 = (_make_pv(r, 4) for r in range(1, 5))
-_pv1_1, _pv2_1, _pv3_1, _pv4_1 = (_make_pv(r, 1) for r in range(1, 5))
-
-
-@numba.njit(inline="always", **common.JIT_ORDERED)
-def _scores(q, kt, sc, r0, R, col):
-  if R >= 8:
-    _sc8(q, kt, sc, r0, col)
-  elif R == 7:
-    _sc7(q, kt, sc, r0, col)
-  elif R == 6:
-    _sc6(q, kt, sc, r0, col)
-  elif R == 5:
-    _sc5(q, kt, sc, r0, col)
-  elif R == 4:
-    _sc4(q, kt, sc, r0, col)
-  elif R == 3:
-    _sc3(q, kt, sc, r0, col)
-  elif R == 2:
-    _sc2(q, kt, sc, r0, col)
-  else:
-    _sc1(q, kt, sc, r0, col)
-
-
-@numba.njit(inline="always", **common.JIT_ORDERED)
-def _pv(p, v, kv, o, r0, R, c0, wide, t0, t1, pcol):
-  if wide:
-    if R >= 4:
-      _pv4_4(p, v, kv, o, r0, c0, t0, t1, pcol)
-    elif R == 3:
-      _pv3_4(p, v, kv, o, r0, c0, t0, t1, pcol)
-    elif R == 2:
-      _pv2_4(p, v, kv, o, r0, c0, t0, t1, pcol)
-    else:
-      _pv1_4(p, v, kv, o, r0, c0, t0, t1, pcol)
-  elif R >= 4:
-    _pv4_1(p, v, kv, o, r0, c0, t0, t1, pcol)
-  elif R == 3:
-    _pv3_1(p, v, kv, o, r0, c0, t0, t1, pcol)
-  elif R == 2:
-    _pv2_1(p, v, kv, o, r0, c0, t0, t1, pcol)
-  else:
-    _pv1_1(p, v, kv, o, r0, c0, t0, t1, pcol)
+@intrinsic
+def _pv(typingctx, p, v, kv, o, r0, c0, t0, t1, pcol, key):
+  """P @ V of R (1..MAX_PV_ROWS) rows x C vectors (4: PV_COLS columns, or 1) from r0, c0:
+  key = C * 8 + R (see `_pv_codegen`)."""
+  variants = {c * 8 + r: _pv_codegen(r, c) for c in (1, PV_COLS // 16)
+              for r in range(1, MAX_PV_ROWS + 1)}
+  return types.void(p, v, kv, o, r0, c0, t0, t1, pcol, key), switch_codegen(variants)
 
 
 @numba.njit(**common.JIT_ORDERED)
@@ -454,7 +410,7 @@ def attention(qkv, cache_k, cache_v, slots, positions, cos, sin, adjacent, n_hea
       r = 0
       while r < rows:
         R = min(MAX_SCORE_ROWS, rows - r)
-        _scores(q, kt, sc, r, R, tile * KEY_TILE)
+        _scores(q, kt, sc, r, tile * KEY_TILE, R)
         r += R
     for r in range(rows):  # Softmax over each row's own keys; zeros elsewhere.
       last = p0 + r // group
@@ -474,10 +430,10 @@ def attention(qkv, cache_k, cache_v, slots, positions, cos, sin, adjacent, n_hea
       t_hi = p0 + (r + R - 1) // group + 1
       c = 0
       while c < wide_cols:
-        _pv(sc, cache_v[s], kv, o, r, R, c, True, t_lo, t_hi, t_lo - kmin)
+        _pv(sc, cache_v[s], kv, o, r, c, t_lo, t_hi, t_lo - kmin, (PV_COLS // 16) * 8 + R)
         c += PV_COLS
       while c + 16 <= hd:
-        _pv(sc, cache_v[s], kv, o, r, R, c, False, t_lo, t_hi, t_lo - kmin)
+        _pv(sc, cache_v[s], kv, o, r, c, t_lo, t_hi, t_lo - kmin, 8 + R)
         c += 16
       for cc in range(c, hd):  # A head dim's last hd % 16 columns, one at a time.
         for rr in range(r, r + R):

@@ -32,7 +32,7 @@ from host_ops import common
 from host_ops import qblocks
 from host_ops.llvm_ir import (F32 as _F32, I16 as _I16, I32 as _I32, I64 as _I64,
                               bf16_to_float as _bf16_to_float, const as _const,
-                              half_to_float as _half_to_float, vec as _vec)
+                              half_to_float as _half_to_float, switch_codegen, vec as _vec)
 
 LANES = 16  # f32 lanes per vector (one zmm).
 MAX_I, MAX_R = 4, 6  # Weight rows x activation rows per micro-kernel call (24 sums).
@@ -102,21 +102,21 @@ def _codegen(bf16: bool, I: int, R: int):
   return codegen
 
 
-def _make(bf16: bool, I: int, R: int):
-  def impl(typingctx, raw, x, out, i0, r0, col):
-    return types.void(raw, x, out, i0, r0, col), _codegen(bf16, I, R)
+def _make(bf16: bool):
+  """The kind's micro-kernels in one intrinsic: key I * 8 + R for I in {1, MAX_I}, R <= MAX_R."""
+  variants = {i * 8 + r: _codegen(bf16, i, r) for i in (1, MAX_I) for r in range(1, MAX_R + 1)}
 
-  impl.__name__ = f"_{'bf16' if bf16 else 'f16'}_i{I}_r{R}"
+  def impl(typingctx, raw, x, out, i0, r0, col, key):
+    return types.void(raw, x, out, i0, r0, col, key), switch_codegen(variants)
+
+  impl.__name__ = f"_{'bf16' if bf16 else 'f16'}_tile"
   return intrinsic(impl)
 
 
 def _driver(bf16: bool):
   """A parallel GEMM over tiles of TILE_ROWS weight rows for one kind (one kind's code per
   parallel region, as `qpack`'s drivers)."""
-  k4 = [_make(bf16, 4, r) for r in range(1, MAX_R + 1)]
-  k1 = [_make(bf16, 1, r) for r in range(1, MAX_R + 1)]
-  k41, k42, k43, k44, k45, k46 = k4
-  k11, k12, k13, k14, k15, k16 = k1
+  tile_kernel = _make(bf16)
 
   @numba.njit(parallel=True, **common.JIT)
   def run(raw, x, out, col):
@@ -130,34 +130,9 @@ def _driver(bf16: bool):
         R = min(MAX_R, b - r)
         i = lo
         while i < hi:
-          if i + 4 <= hi:
-            if R == 6:
-              k46(raw, x, out, i, r, col)
-            elif R == 5:
-              k45(raw, x, out, i, r, col)
-            elif R == 4:
-              k44(raw, x, out, i, r, col)
-            elif R == 3:
-              k43(raw, x, out, i, r, col)
-            elif R == 2:
-              k42(raw, x, out, i, r, col)
-            else:
-              k41(raw, x, out, i, r, col)
-            i += 4
-          else:
-            if R == 6:
-              k16(raw, x, out, i, r, col)
-            elif R == 5:
-              k15(raw, x, out, i, r, col)
-            elif R == 4:
-              k14(raw, x, out, i, r, col)
-            elif R == 3:
-              k13(raw, x, out, i, r, col)
-            elif R == 2:
-              k12(raw, x, out, i, r, col)
-            else:
-              k11(raw, x, out, i, r, col)
-            i += 1
+          I = MAX_I if i + MAX_I <= hi else 1
+          tile_kernel(raw, x, out, i, r, col, I * 8 + R)
+          i += I
         r += R
 
   return run

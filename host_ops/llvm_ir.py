@@ -112,3 +112,28 @@ def bf16_to_float(bd, h):
   ft = vec(F32, h.type.count) if vector else F32
   shift = const(I32, [16] * h.type.count) if vector else const(I32, 16)
   return bd.bitcast(bd.shl(bd.zext(h, it), shift), ft)
+
+
+def switch_codegen(variants):
+  """One intrinsic's codegen for kernels generated per compile-time count: variants maps an int
+  key to a codegen, and the call's last argument (i64) picks the one that runs (an LLVM switch;
+  every variant is compiled in). Callers pass only keys of `variants` (others are unreachable).
+  Each variant sees the whole argument list and ignores the key."""
+
+  def codegen(context, bd, sig, args):
+    key = args[-1]
+    done = bd.append_basic_block("variant.done")
+    other = bd.append_basic_block("variant.none")
+    sw = bd.switch(key, other)
+    for k, gen in sorted(variants.items()):
+      blk = bd.append_basic_block(f"variant.{k}")
+      sw.add_case(ir.Constant(key.type, k), blk)
+      bd.position_at_end(blk)
+      gen(context, bd, sig, args)
+      bd.branch(done)
+    bd.position_at_end(other)
+    bd.unreachable()
+    bd.position_at_end(done)
+    return context.get_dummy_value()
+
+  return codegen
