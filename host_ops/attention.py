@@ -143,7 +143,9 @@ def _pv_codegen(R, C):
 
 def _vexp(bd, x):
   """e^x on <16 x float> as `common.exp_f32` (Cody-Waite reduction, Taylor to r^7, 2^n from
-  its bits; x finite), IEEE order: the same bits as the scalar function."""
+  its bits), IEEE order: the same bits as the scalar function; NaN stays NaN."""
+  x0 = x
+
   def c(v):
     return ir.Constant(_V16, [float(v)] * 16)
 
@@ -165,15 +167,22 @@ def _vexp(bd, x):
   i32 = _vec(ir.IntType(32), 16)
   bits = bd.shl(bd.add(bd.fptosi(n, i32), ir.Constant(i32, [127] * 16)),
                 ir.Constant(i32, [23] * 16))
-  return common.fmul(bd, p, bd.bitcast(bits, _V16))
+  e = common.fmul(bd, p, bd.bitcast(bits, _V16))
+  return bd.select(bd.fcmp_unordered("uno", x0, x0), x0, e)
+
+
+def _nanmax(bd, a, b):
+  """max(a, b) lane by lane, NaN if either is (a corrupt score must reach the output)."""
+  return bd.select(bd.or_(bd.fcmp_unordered("uno", a, a), bd.fcmp_ordered(">", a, b)), a, b)
 
 
 def _softmax_codegen():
   """IR of row r of s over columns [lo, hi): s = softmax(s * scale) there, 0 in the rest of
   the 16-column vectors that hold them. Lanes are the columns mod 16 (callers start rows at a
   multiple of 16 keys), and the max, exp and sum run per lane then a fixed tree: a row's bits
-  depend on its own scores only. Args: s f32[M, T] (T a multiple of 16), r, lo, hi (i64),
-  scale (f32)."""
+  depend on its own scores only. A NaN score (or +inf: exp(inf - inf) is NaN) makes the row
+  NaN, as the reference's softmax does. Args: s f32[M, T] (T a multiple of 16), r, lo, hi
+  (i64), scale (f32)."""
 
   def codegen(context, bd, sig, args):
     sc = context.make_array(sig.args[0])(context, bd, args[0])
@@ -201,15 +210,14 @@ def _softmax_codegen():
       ptr, ok = at(loop.index)
       x = bd.select(ok, common.fmul(bd, bd.load(ptr, align=4), vscale), ninf)
       bd.store(x, ptr, align=4)
-      m = bd.load(top)
-      bd.store(bd.select(bd.fcmp_ordered(">", x, m), x, m), top)
+      bd.store(_nanmax(bd, x, bd.load(top)), top)
     m = bd.load(top)
     n = 16
     while n > 1:
       h = n // 2
       a = bd.shuffle_vector(m, m, _const(ir.IntType(32), list(range(h))))
       b = bd.shuffle_vector(m, m, _const(ir.IntType(32), list(range(h, n))))
-      m = bd.select(bd.fcmp_ordered(">", a, b), a, b)
+      m = _nanmax(bd, a, b)
       n = h
     vtop = _splat(bd, bd.extract_element(m, _const(ir.IntType(32), 0)), 16)
     total = cgutils.alloca_once_value(bd, zero)

@@ -155,22 +155,35 @@ def gemm_kernel(code, raw, x, out, col):
 def gemm(kind: str, raw: np.ndarray, x, out: np.ndarray | None = None) -> np.ndarray:
   """x @ W.T for F16 / BF16 rows: raw u8[n, 2 D] (or f16 / u16[n, D]), x f32[b, D] -> f32[b, n].
 
+  out: f32[b, n], C-contiguous and writable, or None (a new array).
+
   Raises:
-    common.HostOpError: a kind other than "f16" / "bf16", D not a multiple of LANES, shapes
-      that do not match.
+    common.HostOpError: a kind other than "f16" / "bf16", raw not 2-D 8/16-bit rows, D not a
+      multiple of LANES, x or out of shapes or types that do not match.
   """
   if kind not in ("f16", "bf16"):
     raise common.HostOpError(f"fgemm multiplies f16 or bf16 rows, got {kind!r}")
-  raw = np.ascontiguousarray(raw).view(np.uint8)
-  raw = raw.reshape(raw.shape[0], -1)
+  raw = np.asarray(raw)
+  if raw.ndim != 2 or raw.dtype.itemsize not in (1, 2):
+    raise common.HostOpError(f"fgemm needs raw rows as u8[n, 2 D] or 16-bit [n, D], got "
+                             f"{raw.dtype}{list(raw.shape)}")
+  raw = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0],
+                                                         raw.shape[1] * raw.dtype.itemsize)
   dim = raw.shape[1] // 2
   if not supported(dim):
     raise common.HostOpError(f"fgemm needs rows of a multiple of {LANES} values, got {dim}")
   x, squeeze = common.prepare_x(x, dim)
+  want = (x.shape[0], raw.shape[0])
   if out is None:
-    out = np.empty((x.shape[0], raw.shape[0]), np.float32)
-  common.ensure_host_threads()
-  gemm_kernel(qblocks.KIND_CODES[kind], raw, x, out, 0)
+    out = np.empty(want, np.float32)
+  elif not (isinstance(out, np.ndarray) and out.shape == want and out.dtype == np.float32
+            and out.flags.c_contiguous and out.flags.writeable):
+    raise common.HostOpError(f"out must be a writable C-contiguous f32{list(want)}, got "
+                             f"{getattr(out, 'dtype', type(out).__name__)}"
+                             f"{list(getattr(out, 'shape', ()))}")
+  if x.shape[0] and raw.shape[0]:
+    common.ensure_host_threads()
+    gemm_kernel(qblocks.KIND_CODES[kind], raw, x, out, 0)
   return out[0] if squeeze else out
 
 

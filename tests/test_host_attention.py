@@ -37,7 +37,8 @@ def _reference(qkv, cache_k, cache_v, slots, positions, cos, sin, n_heads, n_kv,
       k = ck[slots[i], first:last + 1, h // group]
       v = cv[slots[i], first:last + 1, h // group]
       s = k @ q * scale
-      p = np.exp(s - s.max())
+      with np.errstate(invalid="ignore"):  # an infinite key: inf - inf is NaN, as it should be
+        p = np.exp(s - s.max())
       out[i, h * hd:(h + 1) * hd] = (p / p.sum()) @ v
   return out.astype(np.float32)
 
@@ -111,3 +112,25 @@ def test_query_blocks_split_runs():
   positions = np.asarray([5, 6, 7, 0, 2, 8, 9], np.int64)
   got = attention.query_blocks(slots, positions, 2)
   assert got.tolist() == [[0, 2], [2, 1], [3, 1], [4, 1], [5, 2]]
+
+
+@pytest.mark.parametrize("where", ["query", "key", "key_inf"])
+def test_attention_keeps_nan(where):
+  """A NaN query or cached key (or an infinite key) makes the attending rows NaN, as the
+  reference's softmax does, instead of a finite mix of the other keys."""
+  rng = np.random.default_rng(9)
+  n_heads, n_kv, hd = 4, 2, 32
+  slots, positions = [0] * 5, list(range(20, 25))
+  args = _case(rng, n_heads, n_kv, hd, slots, positions)
+  qkv, cache_k = args[0], args[1]
+  if where == "query":
+    qkv[2, 1, 5] = np.nan  # token 2, head 1 (KV head 0)
+  else:
+    cache_k[0, 7, 1, 3] = np.nan if where == "key" else np.inf  # key 7 of KV head 1
+  got, _, _ = _run(args, slots, positions, n_heads, n_kv, 0)
+  ref = _reference(*args[:3], np.asarray(slots), np.asarray(positions), args[3], args[4],
+                   n_heads, n_kv, hd ** -0.5, 0)
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+  assert np.isnan(got).any()
+  np.testing.assert_allclose(got[~np.isnan(ref)], ref[~np.isnan(ref)], rtol=0,
+                             atol=2e-5 * np.abs(ref[~np.isnan(ref)]).max())

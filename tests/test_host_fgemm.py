@@ -64,6 +64,29 @@ def test_gemm_refuses_what_it_cannot_run():
     fgemm.gemm("q8_0", _rows(rng, "f16", 4, 32), np.zeros((9, 32), np.float32))
   with pytest.raises(HostOpError, match="x must be"):
     fgemm.gemm("f16", _rows(rng, "f16", 4, 32), np.zeros((9, 48), np.float32))
+  raw, x = _rows(rng, "f16", 20, 64), np.ones((9, 64), np.float32)
+  for out in (np.zeros((9, 10), np.float32), np.zeros((9, 20)),
+              np.zeros((9, 40), np.float32)[:, ::2]):
+    with pytest.raises(HostOpError, match="out must be"):
+      fgemm.gemm("f16", raw, x, out)
+  with pytest.raises(HostOpError, match="raw rows"):
+    fgemm.gemm("f16", np.zeros((20, 64), np.float32), x)
+  assert fgemm.gemm("f16", raw[:0], x).shape == (9, 0)
+
+
+def test_qmatrix_product_into_a_strided_out():
+  """QMatrix.matmul of F16 rows above 8 activation rows into a strided `out` (fgemm takes only
+  contiguous ones; the tiled kernel the rest): the right values either way."""
+  from host_ops import qmatmul
+  rng = np.random.default_rng(6)
+  raw = _rows(rng, "f16", 35, 64)
+  m = qmatmul.from_gguf_blocks("F16", raw, (35, 64))
+  x = rng.standard_normal((12, 64)).astype(np.float32)
+  ref = fgemm.gemm_reference("f16", raw, x)
+  wide = np.zeros((12, 70), np.float32)
+  m.matmul(x, out=wide[:, ::2], dot="f32")
+  np.testing.assert_allclose(wide[:, ::2], ref, rtol=0, atol=3e-6 * np.abs(ref).max())
+  np.testing.assert_array_equal(wide[:, 1::2], 0.0)
 
 
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
@@ -94,3 +117,45 @@ def test_decoder_prefill_on_float_rows_matches_reference(kind):
   got += [dec.forward(cache, tokens[None, i:i + 1], i) for i in range(20, 23)]
   got = np.concatenate(got)
   np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
+
+
+def test_gguf_to_float_script(tmp_path):
+  """scripts/gguf_to_float.py: every quantized matrix becomes F16 / BF16 with gguf's own
+  dequantized values rounded once, norms stay F32, metadata and file type follow; bad --out is
+  one line and exit 2 before any work; an F16 file converts to BF16 too."""
+  import importlib.util
+  import pathlib
+
+  import gguf
+  from tiny_models import write_random_quantized_gguf
+  root = pathlib.Path(__file__).resolve().parents[1]
+  spec = importlib.util.spec_from_file_location("gguf_to_float", root / "scripts/gguf_to_float.py")
+  tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tool)
+  src = write_random_quantized_gguf(tmp_path / "q41.gguf", layer_type="Q4_1")
+  before = {t.name: t for t in gguf.GGUFReader(str(src)).tensors}
+  for qtype, code in (("F16", 1), ("BF16", 32)):
+    out = tmp_path / f"{qtype}.gguf"
+    assert tool.main(["--src", str(src), "--type", qtype.lower(), "--out", str(out)]) == 0
+    reader = gguf.GGUFReader(str(out))
+    assert reader.fields["general.file_type"].contents() == code
+    for t in reader.tensors:
+      old = before[t.name]
+      kind = gguf.GGMLQuantizationType(old.tensor_type)
+      if len(old.shape) < 2 or kind == gguf.GGMLQuantizationType.F32:
+        assert t.tensor_type == old.tensor_type
+        continue
+      assert t.tensor_type == gguf.GGMLQuantizationType[qtype]
+      want = gguf.quants.dequantize(old.data, kind)
+      got = gguf.quants.dequantize(t.data, t.tensor_type)
+      np.testing.assert_allclose(got, want, rtol=2 ** -8 if qtype == "BF16" else 2 ** -11)
+  f16 = tmp_path / "F16.gguf"
+  assert tool.main(["--src", str(f16), "--type", "BF16", "--out", str(tmp_path / "b.gguf")]) == 0
+  types = {gguf.GGMLQuantizationType(t.tensor_type) for t in
+           gguf.GGUFReader(str(tmp_path / "b.gguf")).tensors}
+  assert gguf.GGMLQuantizationType.F16 not in types
+  for out in (str(src), str(tmp_path), str(tmp_path / "no" / "x.gguf")):
+    assert tool.main(["--src", str(src), "--out", out]) == 2
+  assert tool.main(["--src", str(src), "--type", "Q4", "--out", str(tmp_path / "x.gguf")]) == 2
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["BF16.gguf", "F16.gguf", "b.gguf",
+                                                       "q41.gguf"]

@@ -265,7 +265,9 @@ class HostBackend(base.Backend):
     dec = self.decoder
     kinds = {w.kind for layer in dec.layers for w in layer.matrices()} | {dec.lm_head.kind}
     # The dot mode is part of the label (bench rows, stats line): int8 and f32 runs differ.
-    return "+".join(sorted(kinds)) + f" host {dec.dot}"
+    # F16 / BF16 matrices always multiply in f32: a file of only those says so.
+    dot = dec.dot if kinds - {qmatmul.F16, qmatmul.BF16} else qmatmul.DOT_F32
+    return "+".join(sorted(kinds)) + f" host {dot}"
 
   @property
   def mode(self) -> str:
