@@ -35,7 +35,7 @@ from host_ops import gated_down
 from host_ops import predicted_ffn
 from host_ops import qblocks
 from host_ops import qmatmul
-from host_ops import qpack
+from host_ops import qpack_reference
 from host_ops.common import HostOpError
 
 
@@ -199,7 +199,7 @@ class QuantColdFFN:
     x = np.asarray(x, np.float32)
     x2 = x.reshape(1, -1) if x.ndim == 1 else x
     gate, up = self.values("gate"), self.values("up")
-    xk = qpack.x_hat_reference(qmatmul.Q4_0, x2) if int8 else x2.astype(np.float64)
+    xk = qpack_reference.x_hat_reference(qmatmul.Q4_0, x2) if int8 else x2.astype(np.float64)
     ids = np.asarray(ids)
     ids2 = np.broadcast_to(ids.reshape(1, -1), (x2.shape[0], ids.shape[-1])) \
         if ids.ndim == 1 else ids

@@ -14,7 +14,7 @@ from host_ops import gated_ffn
 from host_ops import pool as pool_lib
 from host_ops import predicted_ffn
 from host_ops import qmatmul
-from host_ops import qpack
+from host_ops import qpack_reference
 
 
 def decoder_reference(dec, tokens, trace: dict | None = None) -> np.ndarray:
@@ -22,7 +22,7 @@ def decoder_reference(dec, tokens, trace: dict | None = None) -> np.ndarray:
 
   tokens: int[T]. Returns f32[T, V] logits. Dequantizes with `qmatmul.dequantize_reference`;
   with dec.dot "int8" every product's input is replaced by its quantized value as the kernel
-  of that matrix reads it (`qpack.x_hat_reference`: per 256 values for packed K-quants, per 32
+  of that matrix reads it (`qpack_reference.x_hat_reference`: per 256 values for packed K-quants, per 32
   else; the head as `qmatmul.matmul_int8_reference`); RoPE and causal grouped-query attention
   written out from their definitions; with the gate-first FFN on (`enable_gated`), neurons whose
   gate fails the layer's cut are zeroed and the down projection uses the neuron-major rows
@@ -64,7 +64,7 @@ def decoder_reference(dec, tokens, trace: dict | None = None) -> np.ndarray:
     for p in role.parts:
       w = qmatmul.dequantize_reference(p.qmatrix())
       if int8 and p.kind not in (qmatmul.F16, qmatmul.BF16):
-        xk = qpack.x_hat_reference(p.kind if p.packed else qmatmul.Q4_0, x)
+        xk = qpack_reference.x_hat_reference(p.kind if p.packed else qmatmul.Q4_0, x)
         outs.append(xk @ w.T)
       else:
         outs.append(np.asarray(x, np.float64) @ w.T)
@@ -76,7 +76,7 @@ def decoder_reference(dec, tokens, trace: dict | None = None) -> np.ndarray:
   def head(x):
     if int8 and isinstance(dec.lm_head, pool_lib.PackedMatrix):
       w = qmatmul.dequantize_reference(dec.lm_head.qmatrix())
-      return qpack.x_hat_reference(dec.lm_head.kind, x) @ w.T
+      return qpack_reference.x_hat_reference(dec.lm_head.kind, x) @ w.T
     if int8:
       return qmatmul.matmul_int8_reference(dec.lm_head, x.astype(np.float32)).astype(np.float64)
     return x @ qmatmul.dequantize_reference(plain(dec.lm_head)).T

@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 
 from host_ops import common
 from host_ops import qblocks
-from host_ops.llvm_ir import (F32 as _F32, I16 as _I16, I32 as _I32, I64 as _I64,
+from host_ops.llvm_ir import (F32 as _F32, I16 as _I16, I64 as _I64,
                               bf16_to_float as _bf16_to_float, const as _const,
                               half_to_float as _half_to_float, switch_codegen, vec as _vec)
 
@@ -51,21 +51,18 @@ def _host_has_avx512() -> bool:
 FAST = _host_has_avx512()
 
 
-def supported(dim: int) -> bool:
+@numba.njit(**common.JIT)
+def supported(dim):
   """Whether `gemm` takes rows of `dim` values (whole vectors of LANES)."""
   return dim > 0 and dim % LANES == 0
 
 
-def _hsum16(bd, v):
-  """The 16 lanes of v summed in a fixed tree (halves added, IEEE order): f32."""
-  n = LANES
-  while n > 1:
-    h = n // 2
-    lo = bd.shuffle_vector(v, v, _const(_I32, list(range(h))))
-    hi = bd.shuffle_vector(v, v, _const(_I32, list(range(h, n))))
-    v = common.fadd(bd, lo, hi)
-    n = h
-  return bd.extract_element(v, _const(_I32, 0))
+@numba.njit(**common.JIT)
+def runs(code, dim):
+  """Whether many activation rows (prefill) of a matrix of kind `code` (qblocks codes) with
+  `dim` values per row go through `gemm_kernel` here: F16 / BF16 on an AVX-512 CPU. Callable
+  from numba and Python, so the pool and QMatrix choose alike."""
+  return FAST and (code == qblocks.F16 or code == qblocks.BF16) and supported(dim)
 
 
 def _codegen(bf16: bool, I: int, R: int):
@@ -96,7 +93,7 @@ def _codegen(bf16: bool, I: int, R: int):
     for r in range(R):
       row = bd.gep(out.data, [bd.add(bd.mul(bd.add(r0, _const(_I64, r)), ncol), col)])
       for i in range(I):
-        bd.store(_hsum16(bd, bd.load(acc[i][r])), bd.gep(row, [bd.add(i0, _const(_I64, i))]))
+        bd.store(common.hsum(bd, bd.load(acc[i][r])), bd.gep(row, [bd.add(i0, _const(_I64, i))]))
     return context.get_dummy_value()
 
   return codegen

@@ -34,7 +34,7 @@ from host_ops import common
 from host_ops import qdot
 from host_ops import qmatmul
 from host_ops import qmatmul_kernels
-from host_ops import qpack
+from host_ops import qpack_reference
 from host_ops.common import HostOpError
 from host_ops.gated_down import AHEAD, down_pass
 # The down rows' formats and their reference, used with gated_ffn by the decoder and the bench.
@@ -286,7 +286,7 @@ def gated_ffn_reference(g, h, up: qmatmul.QMatrix, down_t: qmatmul.QMatrix, *, c
   g = np.asarray(g, np.float64)
   if dot == qmatmul.DOT_INT8 and qdot.AVAILABLE and up.kind not in (qmatmul.Q4_1, qmatmul.Q8_0):
     # Other kinds' file rows (`predicted_ffn.gated_up`): h quantized per 32 values.
-    u = qpack.x_hat_reference(qmatmul.Q4_0, h) @ qmatmul.dequantize_reference(up).T
+    u = qpack_reference.x_hat_reference(qmatmul.Q4_0, h) @ qmatmul.dequantize_reference(up).T
   elif dot == qmatmul.DOT_INT8 and qdot.AVAILABLE:
     u = qdot.matmul_reference(up.kind, up.arrays, np.asarray(h, np.float32)).astype(np.float64)
   else:

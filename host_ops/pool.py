@@ -89,6 +89,27 @@ def _tiles_f32(code, raw, x, out, col):
         out[r, col + lo + k] = part[r, k]
 
 
+_Q8_0_UNIT = qpack.UNIT_BYTES["q8_0"]  # Bytes of a packed Q8_0 unit (16 rows x 32 values).
+
+
+@numba.njit(parallel=True, **common.JIT)
+def rows_q8_0_kernel(packed, ids, out):
+  """out[j] = row ids[j] of a packed Q8_0 matrix as f32 (d * q, exact): packed u8[n / G,
+  units * 544], ids i64[k] (in range), out f32[k, units * 32]. The token embedding's lookup
+  when a tied LM head is packed."""
+  ub = _Q8_0_UNIT
+  units = packed.shape[1] // ub
+  for j in numba.prange(ids.shape[0]):
+    grp = packed[ids[j] // qpack.G]
+    k = ids[j] % qpack.G
+    for u in range(units):
+      o = u * ub
+      d = qblocks.f16_to_f32(np.int64(grp[o + 2 * k]) | (np.int64(grp[o + 2 * k + 1]) << 8))
+      for e in range(32):
+        q = np.int8(grp[o + 32 + 64 * (e // 4) + 4 * k + e % 4])
+        out[j, 32 * u + e] = d * np.float32(q)
+
+
 @numba.njit(**common.JIT)
 def pool_matmul(pool, mats, ids, xa, x, xsum, out, int8):
   """out[:, :] = x @ W.T for the role whose matrix ids (-1 padded) are `ids`, their outputs side
@@ -116,8 +137,7 @@ def pool_matmul(pool, mats, ids, xa, x, xsum, out, int8):
         _rows_int8(kind, raw, xa[0], xa[1], xa[2], out, col)
       elif x.shape[0] <= GEMV_MAX_ROWS:
         _rows_f32(kind, raw, x, xsum, out, col)
-      elif (kind == qblocks.F16 or kind == qblocks.BF16) and fgemm.FAST and \
-          x.shape[1] % fgemm.LANES == 0:
+      elif fgemm.runs(kind, x.shape[1]):
         fgemm.gemm_kernel(kind, raw, x, out, col)
       else:
         _tiles_f32(kind, raw, x, out, col)
@@ -394,7 +414,7 @@ class PackedMatrix:
       raise HostOpError(f"row id out of range [0, {self.shape[0]}): {ids.min()}..{ids.max()}")
     out = np.empty((ids.size, self.shape[1]), np.float32)
     common.ensure_host_threads()
-    qpack.rows_q8_0_kernel(self.packed, ids, out)
+    rows_q8_0_kernel(self.packed, ids, out)
     return out
 
   def qmatrix(self) -> qmatmul.QMatrix:

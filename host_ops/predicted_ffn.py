@@ -44,7 +44,7 @@ from host_ops import pool as pool_lib
 from host_ops import qblocks
 from host_ops import qdot
 from host_ops import qmatmul
-from host_ops import qpack
+from host_ops import qpack_reference
 from host_ops.common import HostOpError
 
 # Rows ahead that a gathered pass prefetches (into L2 for rows of >= 1 KB, `common.far_gather`;
@@ -380,7 +380,7 @@ def _product_reference(w, x, int8: bool) -> np.ndarray:
   """f64 x @ W.T with x as an integer product of w's rows reads it (per 32 values; f32: x)."""
   values = qmatmul.dequantize_reference(w) if isinstance(w, qmatmul.QMatrix) else w
   x = np.asarray(x, np.float32)
-  xk = qpack.x_hat_reference(qmatmul.Q4_0, x) if int8 else x.astype(np.float64)
+  xk = qpack_reference.x_hat_reference(qmatmul.Q4_0, x) if int8 else x.astype(np.float64)
   return xk @ values.T
 
 

@@ -250,8 +250,7 @@ class QMatrix:
       code = qblocks.KIND_CODES[self.kind]
       if int8 and self.kind in qblocks.INT8_KINDS:  # Any number of rows: each row's own dot.
         kernels.gemv_raw_int8_kernel(code, self.arrays[0], x2, out, _PREFETCH_BYTES[self.kind][1])
-      elif b > GEMV_MAX_ROWS and self.kind in (F16, BF16) and fgemm.FAST and \
-          fgemm.supported(self.shape[1]) and out.flags.c_contiguous:  # (fgemm: no strides)
+      elif b > GEMV_MAX_ROWS and fgemm.runs(code, self.shape[1]) and out.flags.c_contiguous:
         fgemm.gemm_kernel(code, self.arrays[0], x2, out, 0)
       elif b > GEMV_MAX_ROWS:
         kernels.gemm_raw_kernel(code, self.arrays[0], x2, out)

@@ -54,7 +54,6 @@ from numba.extending import intrinsic
 
 from host_ops import common
 from host_ops import act_quant
-from host_ops import qblocks
 from host_ops import qdot
 from host_ops.common import HostOpError
 from host_ops.llvm_ir import (F32 as _F32, I8 as _I8, I16 as _I16, I32 as _I32, I64 as _I64,
@@ -75,7 +74,6 @@ FILE_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q4_k": 144, "q5_k
 UNIT_BYTES = {"q4_0": 288, "q4_1": 320, "q5_0": 352, "q5_1": 384, "q4_k": 2368,
               "q5_k": 2880, "q6_k": 3360, "q8_0": 544}
 MAX_R = 4  # Activation rows per kernel call.
-_Q8_0_UNIT = UNIT_BYTES["q8_0"]
 
 
 def packable(kind: str, shape: tuple[int, int]) -> bool:
@@ -184,24 +182,6 @@ def pack(kind: str, raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
   common.ensure_host_threads()
   _pack_kernel(KIND_CODES[kind], raw, out, UNIT_BYTES[kind])
   return out
-
-
-@numba.njit(parallel=True, **common.JIT)
-def rows_q8_0_kernel(packed, ids, out):
-  """out[j] = row ids[j] of a packed Q8_0 matrix as f32 (d * q, exact): packed u8[n / G,
-  units * 544], ids i64[k] (in range), out f32[k, units * 32]. The token embedding's lookup
-  when a tied LM head is packed."""
-  ub = _Q8_0_UNIT
-  units = packed.shape[1] // ub
-  for j in numba.prange(ids.shape[0]):
-    grp = packed[ids[j] // G]
-    k = ids[j] % G
-    for u in range(units):
-      o = u * ub
-      d = qblocks.f16_to_f32(np.int64(grp[o + 2 * k]) | (np.int64(grp[o + 2 * k + 1]) << 8))
-      for e in range(32):
-        q = np.int8(grp[o + 32 + 64 * (e // 4) + 4 * k + e % 4])
-        out[j, 32 * u + e] = d * np.float32(q)
 
 
 # ----------------------------------------------------------------------------- IR
@@ -626,6 +606,12 @@ def matmul_kernel(code, packed, xa, out, col0):
     _matmul_q5_1(packed, xa, out, col0)
 
 
+# The K-quant half of the activations, never read by the 32-value kinds' kernels (one set, not
+# four arrays per call: the LM head calls `matmul` once per decoded token).
+_NO_K_ACTIVATIONS = (np.zeros((1, 1), np.int8), np.zeros((1, 1), np.float32),
+                     np.zeros((1, 1), np.int16), np.zeros((1, 1), np.int16))
+
+
 def matmul(kind: str, packed: np.ndarray, x, out: np.ndarray | None = None) -> np.ndarray:
   """x_hat @ W.T for a packed [n, D] matrix: x f32[b, D] -> f32[b, n] (x quantized as the kind
   reads it: `act_quant.quantize_k` for the K-quants, `quantize_32` else).
@@ -648,8 +634,7 @@ def matmul(kind: str, packed: np.ndarray, x, out: np.ndarray | None = None) -> n
     # Few rows (decode's LM head): x quantized serially, the same bits as `quantize_32`, so a
     # call is one parallel region, not two. On a busy 2-core machine each region waits for a
     # descheduled thread: Q8_0 [11008, 4096] at b = 1 ran 1.4 against the row kernel's 10.3.
-    xa = qdot.quantize_x(x) + (np.zeros((b, 1), np.int8), np.zeros((b, 1), np.float32),
-                               np.zeros((b, 1), np.int16), np.zeros((b, 1), np.int16))
+    xa = qdot.quantize_x(x) + _NO_K_ACTIVATIONS
   else:
     xa = act_quant.activations(x, kind not in K_KINDS, kind in K_KINDS)
   matmul_kernel(KIND_CODES[kind], packed, xa, out, 0)
@@ -657,24 +642,6 @@ def matmul(kind: str, packed: np.ndarray, x, out: np.ndarray | None = None) -> n
 
 
 # ----------------------------------------------------------------------------- references
-def x_hat_reference(kind: str, x) -> np.ndarray:
-  """f64[b, D]: the activations as the kernels of `kind` see them (dk * xq per 256 values for
-  the K-quants, dx * xq per 32 else)."""
-  x = np.asarray(x, np.float32)
-  b, dim = x.shape
-  if kind in K_KINDS:
-    xq, dk, _, _ = act_quant.quantize_k_reference(x)
-    return (xq.reshape(b, -1, 256).astype(np.float64) * dk[..., None]).reshape(b, dim)
-  xq, dx, _ = qdot.quantize_x_reference(x)
-  return (xq.reshape(b, -1, 32).astype(np.float64) * dx[..., None]).reshape(b, dim)
-
-
-def matmul_reference(kind: str, w: np.ndarray, x) -> np.ndarray:
-  """Float64 reference of `matmul`: x_hat(kind, x) @ w.T for w: f64[n, D] (the matrix's values,
-  e.g. `gguf.quants.dequantize` of its blocks). Returns f32[b, n]."""
-  return (x_hat_reference(kind, x) @ np.asarray(w, np.float64).T).astype(np.float32)
-
-
 def unpack_reference(kind: str, packed: np.ndarray) -> np.ndarray:
   """The file's blocks u8[n, units * FILE_BYTES] back from a packed matrix (NumPy, from the
   layout in the module docstring; `pack`'s inverse)."""

@@ -83,8 +83,8 @@ def test_cold_ffn_full_set_is_the_dense_ffn():
   rng = np.random.default_rng(7)
   w = _layer(rng, "q4_1", "swiglu", "int8", n=64)
   x = rng.standard_normal((2, 64)).astype(np.float32)
-  from host_ops import qpack
-  xk = qpack.x_hat_reference(qmatmul.Q4_0, x)
+  from host_ops import qpack_reference
+  xk = qpack_reference.x_hat_reference(qmatmul.Q4_0, x)
   g = xk @ qmatmul.dequantize_reference(w.source[0]).T
   u = xk @ qmatmul.dequantize_reference(w.source[1]).T
   dense = (g / (1 + np.exp(-g)) * u) @ qmatmul.dequantize_reference(w.down_t)

@@ -3,7 +3,7 @@
 
 Oracles: gguf's own dequantizer (`gguf.quants.dequantize`) on random Q8_0 blocks (every code
 byte random, -128 included; f16 scales random normal * 0.01, never zero), times the activations
-as the kernel quantizes them (`qpack.matmul_reference`: float64). Row counts of 1 to 17 groups
+as the kernel quantizes them (`qpack_reference.matmul_reference`: float64). Row counts of 1 to 17 groups
 (tiles of GEMM_TILE groups and their tails), activation rows 1 to 13 (blocks of R <= MAX_R and
 the streamed / tiled split at STREAM_MAX_ROWS), D of 1, 3 and 18 blocks.
 """
@@ -18,6 +18,7 @@ from host_ops import pool as pool_lib
 from host_ops import qdot
 from host_ops import qmatmul
 from host_ops import qpack
+from host_ops import qpack_reference
 from host_ops.common import HostOpError
 
 needs_simd = pytest.mark.skipif(not qdot.AVAILABLE, reason="integer kernels need x86 AVX2")
@@ -57,7 +58,7 @@ def test_q8_0_layout_round_trips(groups, dim):
   np.testing.assert_array_equal(out, packed)
   ids = np.asarray([n - 1, 0, 7, 7, n // 2])
   rows = np.empty((ids.size, dim), np.float32)
-  qpack.rows_q8_0_kernel(packed, ids, rows)
+  pool_lib.rows_q8_0_kernel(packed, ids, rows)
   np.testing.assert_array_equal(rows, _values(raw, n, dim)[ids])
 
 
@@ -75,9 +76,9 @@ def test_q8_0_packed_matmul_matches_reference(groups, dim, b):
   packed = qpack.pack("q8_0", raw)
   x = rng.standard_normal((b, dim)).astype(np.float32)
   got = qpack.matmul("q8_0", packed, x)
-  ref = qpack.matmul_reference("q8_0", w, x)
+  ref = qpack_reference.matmul_reference("q8_0", w, x)
   assert got.shape == (b, n) and got.dtype == np.float32
-  bound = 1e-5 * (np.abs(qpack.x_hat_reference("q8_0", x)) @ np.abs(w).T) + 1e-30
+  bound = 1e-5 * (np.abs(qpack_reference.x_hat_reference("q8_0", x)) @ np.abs(w).T) + 1e-30
   assert (np.abs(got - ref) <= bound).all(), np.abs(got - ref).max()
   np.testing.assert_array_equal(qpack.matmul("q8_0", packed, x[:1]), got[:1])
   np.testing.assert_array_equal(qpack.matmul("q8_0", packed, x[0]), got[0])  # 1-D x.
@@ -95,7 +96,7 @@ def test_q8_0_extreme_codes_do_not_saturate():
   raw = raw.reshape(n, -1)
   x = np.where(np.arange(dim) % 3 == 0, -1.0, 1.0).astype(np.float32)[None].repeat(5, 0)
   got = qpack.matmul("q8_0", qpack.pack("q8_0", raw), x)
-  np.testing.assert_array_equal(got, qpack.matmul_reference("q8_0", _values(raw, n, dim), x))
+  np.testing.assert_array_equal(got, qpack_reference.matmul_reference("q8_0", _values(raw, n, dim), x))
 
 
 def test_packed_matrix_from_chunks_and_back(monkeypatch):
@@ -233,6 +234,6 @@ def test_every_packed_kind_matches_reference(kind):
   for b in (1, 5, 13):
     x = rng.standard_normal((b, dim)).astype(np.float32)
     got = qpack.matmul(kind, packed, x)
-    ref = qpack.matmul_reference(kind, w, x)
-    bound = 1e-5 * (np.abs(qpack.x_hat_reference(kind, x)) @ np.abs(w).T) + 1e-30
+    ref = qpack_reference.matmul_reference(kind, w, x)
+    bound = 1e-5 * (np.abs(qpack_reference.x_hat_reference(kind, x)) @ np.abs(w).T) + 1e-30
     assert (np.abs(got - ref) <= bound).all(), (b, np.abs(got - ref).max())
